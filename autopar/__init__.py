@@ -1,0 +1,73 @@
+"""autopar: an auto-parallelizing compiler for JAX training steps.
+
+Trace a single-device step into a graph, search a parallel plan with a cost model, and
+lower it to stock JAX (``jax.jit`` with ``NamedSharding``).
+
+Example:
+    >>> import autopar
+    >>> @autopar.autoparallel
+    ... def train_step(state, batch): ...                # doctest: +SKIP
+"""
+
+__version__ = "0.1.0"
+
+from cost_models import Cluster  # noqa: E402
+
+from autopar import baselines  # noqa: E402
+from autopar.api import (  # noqa: E402
+    AutoParallel,
+    autoparallel,
+    evaluate,
+    plan,
+    verify,
+)
+from autopar.errors import (  # noqa: E402
+    AutoparError,
+    InfeasiblePlanError,
+    InvalidOptionError,
+    LoadPlanError,
+    LowerPlanError,
+    SolveShardingError,
+    TraceFunctionError,
+    UnknownPresetError,
+)
+from autopar.options import LoweringOptions, SearchOptions  # noqa: E402
+from autopar.plan import (  # noqa: E402
+    ActivationConstraint,
+    PipelinePlan,
+    Plan,
+    Predicted,
+    PredictedCollective,
+    TensorSharding,
+)
+from autopar.trace import Graph  # noqa: E402
+from autopar.trace import trace as trace  # noqa: E402  (the function shadows the subpackage)
+
+__all__ = [
+    "ActivationConstraint",
+    "AutoParallel",
+    "AutoparError",
+    "Cluster",
+    "Graph",
+    "InfeasiblePlanError",
+    "InvalidOptionError",
+    "LoadPlanError",
+    "LowerPlanError",
+    "LoweringOptions",
+    "PipelinePlan",
+    "Plan",
+    "Predicted",
+    "PredictedCollective",
+    "SearchOptions",
+    "SolveShardingError",
+    "TensorSharding",
+    "TraceFunctionError",
+    "UnknownPresetError",
+    "__version__",
+    "autoparallel",
+    "baselines",
+    "evaluate",
+    "plan",
+    "trace",
+    "verify",
+]

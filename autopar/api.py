@@ -1,0 +1,384 @@
+"""The public entry points; the only module that composes the stages.
+
+``trace`` (fn -> Graph) -> ``plan`` (Graph -> Plan) -> ``lower`` (Plan -> jitted program),
+with ``evaluate`` to score any plan and ``autoparallel`` to do all of it on first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from autopar.cache import PlanCache, plan_key, signature_fingerprint
+from autopar.errors import AutoparError, InvalidOptionError, LoadPlanError
+from autopar.options import LoweringOptions, SearchOptions
+from autopar.plan import Plan
+from autopar.trace import Graph, trace
+from cost_models import Cluster
+
+
+def _resolve_cluster(cluster: Cluster | str | None) -> Cluster:
+    if cluster is None:
+        return Cluster.local()
+    if isinstance(cluster, str):
+        return Cluster.preset(cluster)
+    if not isinstance(cluster, Cluster):
+        raise InvalidOptionError(
+            f"cluster={cluster!r} must be a cost_models.Cluster, a preset name such as "
+            "'dgx-a100-80gb', or None for the local devices."
+        )
+    return cluster
+
+
+def _resolve_options(options: SearchOptions | None) -> SearchOptions:
+    if options is None:
+        return SearchOptions()
+    if not isinstance(options, SearchOptions):
+        raise InvalidOptionError(f"options={options!r} must be an autopar.SearchOptions.")
+    return options
+
+
+def plan(
+    fn: Callable | Graph,
+    *args: Any,
+    cluster: Cluster | str | None = None,
+    options: SearchOptions | None = None,
+    **kwargs: Any,
+) -> Plan:
+    """Search a parallel plan for ``fn(*args, **kwargs)`` on ``cluster``.
+
+    Args:
+        fn: the single-device training step (or an already traced :class:`Graph`).
+        *args: concrete arrays or ``jax.ShapeDtypeStruct`` pytrees (nothing is allocated).
+        cluster: a :class:`cost_models.Cluster`, a preset name, or ``None`` for the local
+            devices.
+        options: :class:`SearchOptions` (fix the mesh, memory limit, ...).
+
+    Returns:
+        A :class:`Plan` whose ``in_specs`` match ``args``.
+
+    Example:
+        >>> step, args = gpt.make_train_step(GPTConfig.preset("tiny"), 8)   # doctest: +SKIP
+        >>> p = autopar.plan(step, *args, cluster=Cluster.preset("dgx-a100-80gb"),
+        ...                  options=SearchOptions(mesh={"data": 2, "tensor": 4}))  # doctest: +SKIP
+        >>> p.mesh, p.predicted.step_time_s                                # doctest: +SKIP
+    """
+    from autopar.search import plan_graph
+
+    graph = fn if isinstance(fn, Graph) else trace(fn, *args, **kwargs)
+    result = plan_graph(graph, _resolve_cluster(cluster), _resolve_options(options))
+    return _finish_plan(result, graph)
+
+
+def _finish_plan(p: Plan, graph: Graph) -> Plan:
+    from dataclasses import replace
+
+    if not p.fingerprint:
+        p = replace(p, fingerprint=signature_fingerprint(graph))
+    return p.bind(graph.in_tree, graph.out_tree)
+
+
+def evaluate(
+    fn_or_graph: Callable | Graph,
+    plan: Plan,
+    cluster: Cluster | str | None = None,
+    *args: Any,
+    **kwargs: Any,
+):
+    """Score any plan (searched or hand-written) with the cost model.
+
+    Args:
+        fn_or_graph: a traced :class:`Graph`, or the step function followed by its ``args``.
+        plan: the plan to score.
+        cluster: the hardware to score it on (default: the local devices).
+
+    Returns:
+        An ``Evaluation`` with the predicted step time, its compute / communication /
+        bubble breakdown, per-collective times and per-device memory.
+
+    Example:
+        >>> ev = autopar.evaluate(graph, autopar.baselines.data_parallel(graph, {"data": 8}),
+        ...                       "dgx-a100-80gb")                     # doctest: +SKIP
+        >>> ev.step_time_s                                             # doctest: +SKIP
+    """
+    from autopar.search import evaluate_plan
+
+    graph = fn_or_graph if isinstance(fn_or_graph, Graph) else trace(fn_or_graph, *args, **kwargs)
+    return evaluate_plan(graph, plan, _resolve_cluster(cluster))
+
+
+def verify(plan: Plan, lowered: Any, *args: Any):
+    """Compare what XLA compiled (collectives, memory) with what ``plan`` predicted.
+
+    ``lowered`` is what ``f.lower(*args)`` returns for an ``@autoparallel`` function.
+    """
+    from autopar.verify import verify as _verify
+
+    return _verify(plan, lowered, *args)
+
+
+@dataclass
+class _Entry:
+    """One compiled specialisation of an ``@autoparallel`` function."""
+
+    plan: Plan
+    graph: Graph
+    lowered: Any  # autopar.lower.LoweredStep
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class AutoParallel:
+    """A training step that plans, lowers and compiles itself on first call.
+
+    Use through :func:`autoparallel`.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        cluster: Cluster | str | None = None,
+        options: SearchOptions | None = None,
+        plan: Plan | str | None = None,
+        static_argnums: int | Sequence[int] = (),
+        donate_argnums: int | Sequence[int] = (),
+        cache: bool | str = True,
+    ) -> None:
+        if not callable(fn):
+            raise InvalidOptionError(f"@autoparallel needs a function, got {fn!r}.")
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+        self._cluster_arg = cluster
+        self.options = _resolve_options(options)
+        if isinstance(static_argnums, int):
+            static_argnums = (static_argnums,)
+        if isinstance(donate_argnums, int):
+            donate_argnums = (donate_argnums,)
+        self.lowering_options = LoweringOptions(
+            donate_argnums=tuple(donate_argnums), static_argnums=tuple(static_argnums)
+        )
+        if isinstance(plan, str):
+            plan = Plan.load(plan)
+        if plan is not None and not isinstance(plan, Plan):
+            raise InvalidOptionError(f"plan={plan!r} must be an autopar.Plan or a JSON path.")
+        self._fixed_plan = plan
+        if cache is False:
+            self._cache = None
+        else:
+            self._cache = PlanCache(None if cache is True else cache)
+        self._entries: dict[Any, _Entry] = {}
+        self._last: tuple[Any, _Entry] | None = None
+        self._cluster: Cluster | None = None
+        self.last_timings: dict[str, float] = {}
+
+    # -- specialisation ---------------------------------------------------------------
+    @property
+    def cluster(self) -> Cluster:
+        if self._cluster is None:
+            self._cluster = _resolve_cluster(self._cluster_arg)
+        return self._cluster
+
+    def _split_static(self, args: tuple) -> tuple[tuple, tuple]:
+        static = self.lowering_options.static_argnums
+        for i in static:
+            if i >= len(args):
+                raise InvalidOptionError(
+                    f"static_argnums names argument {i} but only {len(args)} were passed."
+                )
+        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        stat = tuple((i, args[i]) for i in static)
+        return dyn, stat
+
+    def _key(self, args: tuple) -> Any:
+        dyn, stat = self._split_static(args)
+        leaves, tree = jax.tree_util.tree_flatten(dyn)
+        avals = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+        return (tree, avals, stat)
+
+    def _bound_fn(self, args: tuple) -> tuple[Callable, tuple]:
+        """The function of the dynamic arguments only (static ones closed over)."""
+        static = dict(self._split_static(args)[1])
+        if not static:
+            return self.fn, args
+        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        n = len(args)
+        fn = self.fn
+
+        def bound(*dyn_args):
+            it = iter(dyn_args)
+            full = [static[i] if i in static else next(it) for i in range(n)]
+            return fn(*full)
+
+        try:
+            bound.__signature__ = _dynamic_signature(fn, static)
+        except (TypeError, ValueError):
+            pass
+        return bound, dyn
+
+    def _specialise(self, args: tuple) -> _Entry:
+        from autopar.lower import lower_plan
+
+        timings: dict[str, float] = {}
+        fn, dyn = self._bound_fn(args)
+        t0 = time.perf_counter()
+        graph = trace(fn, *dyn)
+        timings["trace_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        p = self._fixed_plan
+        if p is not None:
+            check_plan_matches(p, graph)
+            timings["plan_source"] = 0.0  # user-supplied
+        else:
+            key = None
+            if self._cache is not None:
+                key = plan_key(graph, self.cluster, self.options)
+                p = self._cache.get(key)
+                timings["cache_hit"] = float(p is not None)
+            if p is None:
+                from autopar.search import plan_graph
+
+                p = plan_graph(graph, self.cluster, self.options)
+                if self._cache is not None:
+                    self._cache.put(key, _finish_plan(p, graph))
+        p = _finish_plan(p, graph)
+        timings["plan_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lowered = lower_plan(fn, p, dyn, graph=graph, options=self._dyn_lowering_options(args))
+        timings["lower_s"] = time.perf_counter() - t0
+        return _Entry(plan=p, graph=graph, lowered=lowered, timings=timings)
+
+    def _dyn_lowering_options(self, args: tuple) -> LoweringOptions:
+        """Re-number donated arguments after static ones are removed."""
+        static = set(self.lowering_options.static_argnums)
+        dyn_index = [i for i in range(len(args)) if i not in static]
+        donate = tuple(dyn_index.index(i) for i in self.lowering_options.donate_argnums)
+        return LoweringOptions(donate_argnums=donate)
+
+    def _entry(self, args: tuple) -> _Entry:
+        key = self._key(args)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._specialise(args)
+            self._entries[key] = entry
+            self.last_timings = dict(entry.timings)
+        self._last = (key, entry)
+        return entry
+
+    # -- user API ---------------------------------------------------------------------
+    def __call__(self, *args: Any):
+        entry = self._entry(args)
+        _, dyn = self._split_static(args)
+        return entry.lowered(*dyn)
+
+    def plan_for(self, *args: Any) -> Plan:
+        """The plan this function uses for ``args`` (traces and plans, does not run)."""
+        return self._entry(args).plan
+
+    def graph_for(self, *args: Any) -> Graph:
+        """The traced graph for ``args``."""
+        return self._entry(args).graph
+
+    def lower(self, *args: Any):
+        """The lowered step for ``args``: ``.hlo_text()``, ``.compile()``,
+        ``.memory_analysis()``; pass it to :func:`autopar.verify`."""
+        return self._entry(args).lowered
+
+    def verify(self, *args: Any):
+        """Plan-vs-compiled report for ``args`` (collectives and memory)."""
+        entry = self._entry(args)
+        _, dyn = self._split_static(args)
+        return verify(entry.plan, entry.lowered, *dyn)
+
+
+def _dynamic_signature(fn: Callable, static: dict[int, Any]) -> inspect.Signature:
+    sig = inspect.signature(fn)
+    params = [p for i, p in enumerate(sig.parameters.values()) if i not in static]
+    return sig.replace(parameters=params)
+
+
+def check_plan_matches(p: Plan, graph: Graph) -> None:
+    """Refuse a plan made for a different function signature, naming the first difference."""
+    if len(p.inputs) != len(graph.inputs):
+        raise LoadPlanError(
+            f"the plan was made for a function with {len(p.inputs)} input leaves, this call "
+            f"has {len(graph.inputs)}; re-plan with autopar.plan(...) for this signature."
+        )
+    for rec, inp in zip(p.inputs, graph.inputs, strict=True):
+        if (
+            rec.path != inp.path
+            or tuple(rec.shape) != inp.tensor.shape
+            or rec.dtype != inp.tensor.dtype
+        ):
+            raise LoadPlanError(
+                f"the plan does not match this function: input {inp.index} is {inp.path} "
+                f"{inp.tensor.shape} {inp.tensor.dtype} but the plan has {rec.path} "
+                f"{tuple(rec.shape)} {rec.dtype}; re-plan for this signature."
+            )
+
+
+def autoparallel(
+    fn: Callable | None = None,
+    *,
+    cluster: Cluster | str | None = None,
+    options: SearchOptions | None = None,
+    plan: Plan | str | None = None,
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+    cache: bool | str = True,
+):
+    """Decorate a single-device training step so it runs sharded over a device mesh.
+
+    Usable bare (``@autoparallel``) or with arguments. The first call per input signature
+    traces, plans (or reads the plan cache), lowers and compiles; later calls dispatch
+    straight to the compiled program. Only arguments in ``donate_argnums`` are donated.
+
+    Args:
+        fn: the step function.
+        cluster: hardware to plan for (default: the local devices). It may describe other
+            hardware than the local devices when the device counts agree.
+        options: :class:`SearchOptions`.
+        plan: a :class:`Plan` or a path to plan JSON to use instead of searching.
+        static_argnums: arguments that are Python values, baked into the program.
+        donate_argnums: arguments whose buffers the step may reuse.
+        cache: ``True`` (default cache dir), ``False`` (no cache), or a directory.
+
+    Example:
+        >>> @autopar.autoparallel(options=SearchOptions(mesh={"data": 2, "tensor": 4}))
+        ... def train_step(state, batch):
+        ...     ...                                                      # doctest: +SKIP
+        >>> state, loss = train_step(state, batch)                        # doctest: +SKIP
+        >>> print(train_step.plan_for(state, batch).summary())           # doctest: +SKIP
+    """
+
+    def wrap(f: Callable) -> AutoParallel:
+        return AutoParallel(
+            f,
+            cluster=cluster,
+            options=options,
+            plan=plan,
+            static_argnums=static_argnums,
+            donate_argnums=donate_argnums,
+            cache=cache,
+        )
+
+    if fn is not None:
+        return wrap(fn)
+    return wrap
+
+
+__all__ = [
+    "AutoParallel",
+    "AutoparError",
+    "autoparallel",
+    "check_plan_matches",
+    "evaluate",
+    "plan",
+    "trace",
+    "verify",
+]

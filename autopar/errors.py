@@ -1,0 +1,42 @@
+"""Errors raised by autopar.
+
+Every error is a subclass of :class:`AutoparError` and its message says what was wrong and
+what to do about it. Names follow ``<Verb><Object>Error`` where there is a verb to name.
+"""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class InvalidOptionError(AutoparError, ValueError):
+    """An option or argument had a value outside the allowed set."""
+
+
+class TraceFunctionError(AutoparError):
+    """The function could not be traced into a graph (bad arguments, unsupported construct)."""
+
+
+class InfeasiblePlanError(AutoparError):
+    """No plan fits the constraints; the message says which bound failed and by how much."""
+
+
+class SolveShardingError(AutoparError):
+    """The sharding solver failed for a reason other than infeasibility (e.g. time limit)."""
+
+
+class LoadPlanError(AutoparError):
+    """A saved plan could not be read, or does not match the function it is applied to."""
+
+
+class LowerPlanError(AutoparError):
+    """A plan could not be turned into a sharded JAX program."""
+
+
+class UnknownPresetError(AutoparError, KeyError):
+    """A named preset (cluster, device, model) does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain.
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,150 @@
+"""User-facing options of the search and the lowering: typed, frozen, validated at construction.
+
+Every knob the search would otherwise choose can be fixed here; ``None`` means "search it".
+
+Example:
+    >>> opts = SearchOptions(mesh={"data": 2, "tensor": 4})
+    >>> opts.mesh_axes
+    ('data', 'tensor')
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from autopar.errors import InvalidOptionError
+
+AXIS_NAMES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
+"""Mesh axes autopar knows, outer -> inner (inner axes land on the fastest links)."""
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+Remat = Literal["none", "selective", "full"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+REMATS: tuple[str, ...] = ("none", "selective", "full")
+
+
+def _check_choice(name: str, value: object, allowed: tuple) -> None:
+    if value is not None and value not in allowed:
+        raise InvalidOptionError(f"{name}={value!r} is not allowed; choose one of {allowed}.")
+
+
+def _check_positive(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise InvalidOptionError(f"{name}={value!r} must be a positive number.")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the planner may choose and what it must respect.
+
+    Attributes:
+        mesh: fix the mesh, an ordered mapping axis -> size, e.g. ``{"data": 2, "tensor": 4}``
+            (axis order is outer -> inner). ``None``: try the factorisations of the device
+            count over ``axes``.
+        axes: the axes the search may use when ``mesh`` is not given.
+        memory_limit_bytes: per-device memory bound; default is the device's capacity.
+        pipeline_stages: fix the number of pipeline stages (``1`` disables pipelining).
+        microbatches: fix the number of pipeline microbatches.
+        schedule: fix the pipeline schedule.
+        remat: fix the rematerialisation policy.
+        zero_stage: fix the ZeRO stage (0-3) for the data axis.
+        solver_time_limit_s: CP-SAT time limit per solve.
+        max_meshes: how many mesh factorisations the outer loop solves in full.
+        coarsen: merge elementwise chains and tile repeated layers (turn off only to debug).
+    """
+
+    mesh: Mapping[str, int] | None = None
+    axes: tuple[str, ...] = ("data", "fsdp", "tensor", "seq", "expert")
+    memory_limit_bytes: int | None = None
+    pipeline_stages: int | None = None
+    microbatches: int | None = None
+    schedule: Schedule | None = None
+    remat: Remat | None = None
+    zero_stage: Literal[0, 1, 2, 3] | None = None
+    solver_time_limit_s: float = 30.0
+    max_meshes: int = 8
+    coarsen: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mesh is not None:
+            if not isinstance(self.mesh, Mapping) or not self.mesh:
+                raise InvalidOptionError(
+                    f"mesh={self.mesh!r} must be a non-empty mapping axis name -> size, "
+                    'e.g. {"data": 2, "tensor": 4}.'
+                )
+            for name, size in self.mesh.items():
+                if name not in AXIS_NAMES:
+                    raise InvalidOptionError(
+                        f"mesh axis {name!r} is unknown; use names from {AXIS_NAMES}."
+                    )
+                if not isinstance(size, int) or size < 1:
+                    raise InvalidOptionError(
+                        f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1."
+                    )
+            object.__setattr__(self, "mesh", MappingProxyType(dict(self.mesh)))
+        bad = [a for a in self.axes if a not in AXIS_NAMES]
+        if bad:
+            raise InvalidOptionError(f"axes {bad} are unknown; use names from {AXIS_NAMES}.")
+        object.__setattr__(self, "axes", tuple(self.axes))
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("remat", self.remat, REMATS)
+        _check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _check_positive("memory_limit_bytes", self.memory_limit_bytes)
+        _check_positive("solver_time_limit_s", self.solver_time_limit_s)
+        for name in ("pipeline_stages", "microbatches", "max_meshes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidOptionError(f"{name}={value!r} must be an integer >= 1.")
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        return tuple(self.mesh) if self.mesh is not None else ()
+
+    def to_dict(self) -> dict:
+        d = asdict(self) if self.mesh is None else {**asdict(self), "mesh": dict(self.mesh)}
+        d["axes"] = list(self.axes)
+        return d
+
+    def cache_key(self) -> str:
+        """A stable string of every option that changes the search's output."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class LoweringOptions:
+    """How a plan becomes a program.
+
+    Attributes:
+        donate_argnums: arguments whose buffers the compiled step may reuse. Only what the
+            user names here is donated: the user's arrays stay valid otherwise.
+        static_argnums: arguments that are Python values baked into the program.
+        activation_constraints: insert the plan's ``with_sharding_constraint`` points.
+        cache_dir: where plans are cached on disk (``None``: ``~/.cache/autopar``; set the
+            option ``use_cache=False`` to disable).
+        use_cache: read and write the on-disk plan cache.
+    """
+
+    donate_argnums: tuple[int, ...] = ()
+    static_argnums: tuple[int, ...] = ()
+    activation_constraints: bool = True
+    cache_dir: str | None = None
+    use_cache: bool = True
+    extra: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("donate_argnums", "static_argnums"):
+            value = getattr(self, name)
+            if isinstance(value, int):
+                value = (value,)
+            if not all(isinstance(v, int) and v >= 0 for v in value):
+                raise InvalidOptionError(f"{name}={value!r} must be non-negative integers.")
+            object.__setattr__(self, name, tuple(value))
+        overlap = set(self.donate_argnums) & set(self.static_argnums)
+        if overlap:
+            raise InvalidOptionError(
+                f"argument(s) {sorted(overlap)} are both donated and static; pick one."
+            )

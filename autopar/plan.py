@@ -1,0 +1,400 @@
+"""The Plan: what the search chose, in user terms, JSON round-trippable.
+
+A plan names mesh axes and sizes, a ``PartitionSpec`` per input leaf (parameters, optimizer
+state, batch), activation constraints, pipeline stages, remat policy and ZeRO stage, and the
+cost model's prediction. It never holds solver indices or ``jax._src`` types.
+
+Specs are stored as tuples with one entry per tensor dimension: ``None`` (replicated),
+an axis name, or a tuple of axis names (the dimension split over several axes, outer first).
+
+Example:
+    >>> p = Plan(mesh={"data": 8}, inputs=(TensorSharding("batch/x", (64, 16), "float32",
+    ...          ("data", None), "batch"),))
+    >>> Plan.from_json(p.to_json()) == p
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, Literal
+
+from autopar.errors import LoadPlanError
+
+SCHEMA_VERSION = 1
+
+SpecEntry = str | tuple[str, ...] | None
+Spec = tuple[SpecEntry, ...]
+
+
+def _spec_from_json(raw: Sequence[Any]) -> Spec:
+    out: list[SpecEntry] = []
+    for e in raw:
+        if e is None or isinstance(e, str):
+            out.append(e)
+        else:
+            out.append(tuple(e))
+    return tuple(out)
+
+
+def _spec_to_json(spec: Spec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_axes(spec: Spec) -> tuple[str, ...]:
+    """All mesh axes a spec uses, in order.
+
+    Example:
+        >>> spec_axes((("data", "fsdp"), None, "tensor"))
+        ('data', 'fsdp', 'tensor')
+    """
+    out: list[str] = []
+    for e in spec:
+        if e is None:
+            continue
+        out.extend((e,) if isinstance(e, str) else e)
+    return tuple(out)
+
+
+def to_partition_spec(spec: Spec):
+    """Convert a stored spec to ``jax.sharding.PartitionSpec`` (trailing ``None``s dropped)."""
+    from jax.sharding import PartitionSpec
+
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+@dataclass(frozen=True)
+class TensorSharding:
+    """How one flat input or output leaf is laid out on the mesh."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: Spec
+    role: str = "other"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "spec", _spec_from_json(self.spec))
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "spec": _spec_to_json(self.spec),
+            "role": self.role,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TensorSharding:
+        return cls(d["path"], tuple(d["shape"]), d["dtype"], _spec_from_json(d["spec"]), d["role"])
+
+
+@dataclass(frozen=True)
+class ActivationConstraint:
+    """A ``with_sharding_constraint`` on one intermediate value.
+
+    ``node`` indexes the equations of the traced (inlined) jaxpr, ``output`` the equation's
+    results; ``scope`` walks into bodies: ``(scan_node_id, body_index)`` pairs, outermost
+    first, empty for top-level values. ``name`` is the name stack, for humans.
+    """
+
+    node: int
+    output: int
+    spec: Spec
+    scope: tuple[tuple[int, int], ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", _spec_from_json(self.spec))
+        object.__setattr__(self, "scope", tuple(tuple(s) for s in self.scope))
+
+    def to_json(self) -> dict:
+        return {
+            "node": self.node,
+            "output": self.output,
+            "spec": _spec_to_json(self.spec),
+            "scope": [list(s) for s in self.scope],
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ActivationConstraint:
+        return cls(d["node"], d["output"], d["spec"], tuple(map(tuple, d["scope"])), d["name"])
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Pipeline stages as layer ranges ``[start, stop)``, the schedule and microbatches."""
+
+    stages: tuple[tuple[int, int], ...]
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    microbatches: int = 1
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(tuple(s) for s in self.stages))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def to_json(self) -> dict:
+        return {
+            "stages": [list(s) for s in self.stages],
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "chunks": self.chunks,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PipelinePlan:
+        return cls(tuple(map(tuple, d["stages"])), d["schedule"], d["microbatches"], d["chunks"])
+
+
+@dataclass(frozen=True)
+class PredictedCollective:
+    """One kind of collective the plan implies: where, how big, how often, how long."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+    count: int
+    time_s: float
+    where: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axes", tuple(self.axes))
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "axes": list(self.axes),
+            "bytes": self.bytes,
+            "count": self.count,
+            "time_s": self.time_s,
+            "where": self.where,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PredictedCollective:
+        return cls(d["kind"], tuple(d["axes"]), d["bytes"], d["count"], d["time_s"], d["where"])
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """The cost model's prediction for one training step, per device.
+
+    Attributes:
+        step_time_s: predicted wall time of one step.
+        compute_s: compute time (roofline) on the critical path.
+        communication_s: total collective time (hidden or not).
+        exposed_communication_s: the part of it not hidden behind compute.
+        bubble_s: pipeline bubble time.
+        memory_bytes_per_device: predicted peak bytes per device.
+        memory_breakdown: parameters / gradients / optimizer / activations / temporaries.
+        flops_per_device: FLOPs each device executes per step.
+        collectives: per kind and axes.
+        objective: the ILP objective of the intra-op solve (seconds), when one ran.
+    """
+
+    step_time_s: float
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    exposed_communication_s: float = 0.0
+    bubble_s: float = 0.0
+    memory_bytes_per_device: float = 0.0
+    memory_breakdown: Mapping[str, float] = field(default_factory=dict)
+    flops_per_device: float = 0.0
+    collectives: tuple[PredictedCollective, ...] = ()
+    objective: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_breakdown", MappingProxyType(dict(self.memory_breakdown)))
+        object.__setattr__(self, "collectives", tuple(self.collectives))
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["memory_breakdown"] = dict(self.memory_breakdown)
+        d["collectives"] = [c.to_json() for c in self.collectives]
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Predicted:
+        d = dict(d)
+        d["collectives"] = tuple(PredictedCollective.from_json(c) for c in d["collectives"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class LayerStrategy:
+    """A human-readable description of what the plan does in one layer (for reports)."""
+
+    layer: str
+    ops: tuple[tuple[str, str], ...]  # (op name, strategy description)
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "ops": [list(o) for o in self.ops]}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LayerStrategy:
+        return cls(d["layer"], tuple(tuple(o) for o in d["ops"]))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A parallel plan for one training step on one cluster.
+
+    ``inputs``/``outputs`` hold one :class:`TensorSharding` per flat leaf, in
+    ``jax.tree.leaves`` order; :attr:`in_specs` and :attr:`out_specs` give them back as
+    pytrees of ``PartitionSpec`` matching the function's arguments and results.
+    """
+
+    mesh: Mapping[str, int]
+    inputs: tuple[TensorSharding, ...] = ()
+    outputs: tuple[TensorSharding, ...] = ()
+    activations: tuple[ActivationConstraint, ...] = ()
+    pipeline: PipelinePlan | None = None
+    remat: Literal["none", "selective", "full"] = "none"
+    zero_stage: int = 0
+    layers: tuple[LayerStrategy, ...] = ()
+    predicted: Predicted = field(default_factory=lambda: Predicted(step_time_s=0.0))
+    cluster: Mapping[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
+    name: str = "autopar"
+    cost_model_version: str = ""
+    schema_version: int = SCHEMA_VERSION
+    # Pytree structure of the args/results; not serialised, re-attached by ``bind``.
+    in_tree: Any = field(default=None, compare=False, repr=False)
+    out_tree: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh", MappingProxyType(dict(self.mesh)))
+        object.__setattr__(self, "cluster", MappingProxyType(dict(self.cluster)))
+        for name in ("inputs", "outputs", "activations", "layers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    # -- views ------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for s in self.mesh.values():
+            n *= s
+        return n
+
+    def _specs(self, records: tuple[TensorSharding, ...], tree: Any):
+        specs = [to_partition_spec(r.spec) for r in records]
+        if tree is None:
+            return {r.path: s for r, s in zip(records, specs, strict=True)}
+        import jax
+
+        return jax.tree_util.tree_unflatten(tree, specs)
+
+    @property
+    def in_specs(self):
+        """Pytree of ``PartitionSpec`` matching the arguments (a dict by path if unbound)."""
+        return self._specs(self.inputs, self.in_tree)
+
+    @property
+    def out_specs(self):
+        """Pytree of ``PartitionSpec`` matching the results (a dict by path if unbound)."""
+        return self._specs(self.outputs, self.out_tree)
+
+    def input(self, path: str) -> TensorSharding:
+        """The record of the input whose path is ``path`` (or ends with ``/path``)."""
+        for r in self.inputs:
+            if r.path == path or r.path.endswith("/" + path):
+                return r
+        raise KeyError(f"no input with path {path!r}; paths look like {self.inputs[0].path!r}")
+
+    def bind(self, in_tree: Any, out_tree: Any) -> Plan:
+        return replace(self, in_tree=in_tree, out_tree=out_tree)
+
+    # -- JSON -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": self.schema_version,
+            "name": self.name,
+            "mesh": dict(self.mesh),
+            "remat": self.remat,
+            "zero_stage": self.zero_stage,
+            "pipeline": self.pipeline.to_json() if self.pipeline else None,
+            "inputs": [r.to_json() for r in self.inputs],
+            "outputs": [r.to_json() for r in self.outputs],
+            "activations": [a.to_json() for a in self.activations],
+            "layers": [s.to_json() for s in self.layers],
+            "predicted": self.predicted.to_json(),
+            "cluster": dict(self.cluster),
+            "fingerprint": self.fingerprint,
+            "cost_model_version": self.cost_model_version,
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise LoadPlanError(
+                f"plan schema version {version!r} is not supported (this autopar reads "
+                f"version {SCHEMA_VERSION}); re-plan with autopar.plan(...)."
+            )
+        try:
+            return cls(
+                mesh=dict(d["mesh"]),
+                inputs=tuple(TensorSharding.from_json(r) for r in d["inputs"]),
+                outputs=tuple(TensorSharding.from_json(r) for r in d["outputs"]),
+                activations=tuple(ActivationConstraint.from_json(a) for a in d["activations"]),
+                pipeline=PipelinePlan.from_json(d["pipeline"]) if d["pipeline"] else None,
+                remat=d["remat"],
+                zero_stage=d["zero_stage"],
+                layers=tuple(LayerStrategy.from_json(s) for s in d["layers"]),
+                predicted=Predicted.from_json(d["predicted"]),
+                cluster=d["cluster"],
+                fingerprint=d["fingerprint"],
+                name=d["name"],
+                cost_model_version=d["cost_model_version"],
+            )
+        except (KeyError, TypeError) as e:
+            raise LoadPlanError(f"plan JSON is malformed ({type(e).__name__}: {e}).") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LoadPlanError(f"plan is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON atomically (a crash never leaves a partial file)."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        try:
+            with open(path) as f:
+                return cls.from_json(f.read())
+        except FileNotFoundError as e:
+            raise LoadPlanError(f"no plan file at {os.fspath(path)!r}.") from e
