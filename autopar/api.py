@@ -353,7 +353,7 @@ def autoparallel(
         ... def train_step(state, batch):
         ...     ...                                                      # doctest: +SKIP
         >>> state, loss = train_step(state, batch)                        # doctest: +SKIP
-        >>> print(train_step.plan_for(state, batch).summary())           # doctest: +SKIP
+        >>> print(autopar.report.summary(train_step.plan_for(state, batch)))  # doctest: +SKIP
     """
 
     def wrap(f: Callable) -> AutoParallel:

@@ -1,0 +1,206 @@
+"""``autopar demo | trace | plan | show | report | diff | calibrate``.
+
+Verbs that run JAX programs on simulated devices set ``XLA_FLAGS`` before JAX starts its
+backend (``--devices N``, default 8), so they work on a machine without accelerators.
+
+Example:
+    $ autopar demo
+    $ autopar plan gpt --preset gpt3-175b --batch 1536 --cluster dgx-a100-80gb --nodes 48 \
+          --mesh data=48,tensor=8 --out plan.json
+    $ autopar show plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+MODELS = ("gpt", "moe", "wide_resnet", "mlp")
+
+
+def _simulate_devices(n: int) -> None:
+    """Ask XLA for ``n`` host devices; must run before JAX initialises its backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def _parse_mesh(text: str | None) -> dict[str, int] | None:
+    if not text:
+        return None
+    from autopar.errors import InvalidOptionError
+
+    mesh: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not size.strip().isdigit():
+            raise InvalidOptionError(
+                f"--mesh {text!r}: write axis=size pairs separated by commas, e.g. data=2,tensor=4."
+            )
+        mesh[name.strip()] = int(size)
+    return mesh
+
+
+def _model_step(model: str, preset: str | None, batch: int, abstract: bool):
+    """The zoo model's (step_fn, args) for a CLI model name and preset."""
+    import importlib
+
+    from autopar.errors import InvalidOptionError
+
+    if model not in MODELS:
+        raise InvalidOptionError(f"model {model!r} is unknown; choose one of {MODELS}.")
+    mod = importlib.import_module(f"benchmarks.models.{model}")
+    config_cls = next(
+        getattr(mod, n) for n in dir(mod) if n.endswith("Config") and n != "Config" and not n.startswith("_")
+    )
+    config = config_cls.preset(preset or "tiny")
+    return mod.make_train_step(config, batch, abstract=abstract)
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from autopar.demo import run_demo
+
+    result = run_demo(
+        steps=a.steps,
+        out_dir=a.out,
+        cluster=a.cluster,
+        mesh=_parse_mesh(a.mesh),
+        cache=not a.no_cache,
+    )
+    return 0 if result.ok else 1
+
+
+def _cmd_trace(a: argparse.Namespace) -> int:
+    import time
+
+    import autopar
+
+    step, args = _model_step(a.model, a.preset, a.batch, abstract=True)
+    t0 = time.perf_counter()
+    graph = autopar.trace(step, *args)
+    print(graph.summary())
+    print(f"traced in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def _cluster(a: argparse.Namespace):
+    from cost_models import Cluster
+
+    return Cluster.preset(a.cluster, nodes=a.nodes) if a.cluster != "local" else Cluster.local()
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    import autopar
+    from autopar.options import SearchOptions
+    from autopar.report import summary
+
+    step, args = _model_step(a.model, a.preset, a.batch, abstract=True)
+    opts = SearchOptions(
+        mesh=_parse_mesh(a.mesh),
+        memory_limit_bytes=int(a.memory_limit_gb * 2**30) if a.memory_limit_gb else None,
+    )
+    plan = autopar.plan(step, *args, cluster=_cluster(a), options=opts)
+    print(summary(plan))
+    if a.out:
+        plan.save(a.out)
+        print(f"plan written to {a.out}")
+    return 0
+
+
+def _cmd_show(a: argparse.Namespace) -> int:
+    from autopar.plan import Plan
+    from autopar.report import summary
+
+    print(summary(Plan.load(a.plan), max_layers=a.layers))
+    return 0
+
+
+def _cmd_report(a: argparse.Namespace) -> int:
+    from autopar.plan import Plan
+    from autopar.report import write_report
+
+    print(write_report(Plan.load(a.plan), a.out))
+    return 0
+
+
+def _cmd_diff(a: argparse.Namespace) -> int:
+    from autopar.plan import Plan
+    from autopar.report import diff
+
+    print(diff(Plan.load(a.a), Plan.load(a.b)))
+    return 0
+
+
+def _cmd_calibrate(a: argparse.Namespace) -> int:
+    from cost_models import calibrate
+
+    argv = ["--quick"] if a.quick else []
+    if a.out:
+        argv += ["--out", a.out]
+    return calibrate.main(argv) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    d = sub.add_parser("demo", help="plan and run a small GPT step on 8 simulated devices")
+    d.add_argument("--steps", type=int, default=3)
+    d.add_argument("--out", default="autopar-report")
+    d.add_argument("--cluster", default="dgx-a100-80gb", help="hardware to plan for")
+    d.add_argument("--mesh", help="fix the mesh, e.g. data=2,tensor=4")
+    d.add_argument("--no-cache", action="store_true", help="always search, ignore the plan cache")
+    d.set_defaults(run=_cmd_demo)
+
+    for verb, fn, helptext in (
+        ("trace", _cmd_trace, "trace a model-zoo step and print its graph summary"),
+        ("plan", _cmd_plan, "plan a model-zoo step for a cluster and print/save the plan"),
+    ):
+        s = sub.add_parser(verb, help=helptext)
+        s.add_argument("model", choices=MODELS)
+        s.add_argument("--preset", help="model preset, e.g. gpt2-small, gpt3-175b (default tiny)")
+        s.add_argument("--batch", type=int, default=8)
+        if verb == "plan":
+            s.add_argument("--cluster", default="dgx-a100-80gb", help="preset name or 'local'")
+            s.add_argument("--nodes", type=int, default=1)
+            s.add_argument("--mesh", help="fix the mesh, e.g. data=2,tensor=4")
+            s.add_argument("--memory-limit-gb", type=float)
+            s.add_argument("--out", help="write the plan JSON here")
+        s.set_defaults(run=fn)
+
+    s = sub.add_parser("show", help="print a saved plan")
+    s.add_argument("plan")
+    s.add_argument("--layers", type=int, default=4, help="layers to list")
+    s.set_defaults(run=_cmd_show)
+    s = sub.add_parser("report", help="write an HTML report for a saved plan")
+    s.add_argument("plan")
+    s.add_argument("--out", default="autopar-report")
+    s.set_defaults(run=_cmd_report)
+    s = sub.add_parser("diff", help="what differs between two saved plans")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.set_defaults(run=_cmd_diff)
+    s = sub.add_parser("calibrate", help="measure this backend and write a cost profile")
+    s.add_argument("--quick", action="store_true")
+    s.add_argument("--out")
+    s.set_defaults(run=_cmd_calibrate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _simulate_devices(args.devices)
+    from autopar.errors import AutoparError
+
+    try:
+        return args.run(args)
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

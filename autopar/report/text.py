@@ -1,0 +1,160 @@
+"""Plain-text views of a plan: mesh, predicted cost, per-layer strategies, input layouts.
+
+Rendered with ``rich`` into a string so the same text serves the terminal, tests and the
+HTML report.
+
+Example:
+    >>> print(summary(plan))                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.plan import Plan, TensorSharding
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable bytes (binary units).
+
+    Example:
+        >>> format_bytes(3 * 2**30)
+        '3.00 GiB'
+    """
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(s: float) -> str:
+    """Seconds with a sensible unit.
+
+    Example:
+        >>> format_seconds(0.0123)
+        '12.30 ms'
+    """
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def format_spec(spec: tuple) -> str:
+    """``('data', None)`` -> ``P('data', None)``."""
+    parts = []
+    for e in spec:
+        if e is None:
+            parts.append("None")
+        elif isinstance(e, str):
+            parts.append(repr(e))
+        else:
+            parts.append("(" + ", ".join(repr(a) for a in e) + ")")
+    return "P(" + ", ".join(parts) + ")"
+
+
+def render(*renderables: object, width: int = 110) -> str:
+    """Render rich objects to plain text."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    for r in renderables:
+        console.print(r)
+    return buf.getvalue()
+
+
+def mesh_text(plan: Plan) -> str:
+    return " x ".join(f"{k}={v}" for k, v in plan.mesh.items()) or "(single device)"
+
+
+def cost_table(plan: Plan) -> Table:
+    p = plan.predicted
+    t = Table(title=f"Predicted cost per step ({plan.cluster.get('name', 'cluster')})")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_row("step time", format_seconds(p.step_time_s))
+    t.add_row("compute", format_seconds(p.compute_s))
+    t.add_row("communication (total)", format_seconds(p.communication_s))
+    t.add_row("communication (exposed)", format_seconds(p.exposed_communication_s))
+    if p.bubble_s:
+        t.add_row("pipeline bubble", format_seconds(p.bubble_s))
+    t.add_row("FLOPs per device", f"{p.flops_per_device:.3e}")
+    t.add_row("memory per device", format_bytes(p.memory_bytes_per_device))
+    for k, v in p.memory_breakdown.items():
+        t.add_row(f"  {k}", format_bytes(v))
+    return t
+
+
+def collectives_table(plan: Plan) -> Table:
+    t = Table(title="Predicted collectives per step")
+    for c in ("kind", "axes", "count", "bytes", "time", "where"):
+        t.add_column(c, justify="right" if c in ("count", "bytes", "time") else "left")
+    for c in plan.predicted.collectives:
+        t.add_row(
+            c.kind,
+            ",".join(c.axes),
+            str(c.count),
+            format_bytes(c.bytes),
+            format_seconds(c.time_s),
+            c.where,
+        )
+    return t
+
+
+def layers_table(plan: Plan, max_layers: int = 4) -> Table:
+    t = Table(title="Per-layer strategies")
+    t.add_column("layer")
+    t.add_column("op")
+    t.add_column("strategy")
+    shown = plan.layers[:max_layers]
+    for ls in shown:
+        for i, (op, strat) in enumerate(ls.ops):
+            t.add_row(ls.layer if i == 0 else "", op, strat)
+    if len(plan.layers) > max_layers:
+        t.add_row(f"... {len(plan.layers) - max_layers} more layers", "", "")
+    return t
+
+
+def inputs_table(records: Iterable[TensorSharding], title: str, limit: int = 30) -> Table:
+    t = Table(title=title)
+    for c in ("path", "shape", "dtype", "role", "spec"):
+        t.add_column(c)
+    records = list(records)
+    sharded = [r for r in records if any(e is not None for e in r.spec)]
+    rows = sharded[:limit] if len(records) > limit else records
+    for r in rows:
+        t.add_row(r.path, str(tuple(r.shape)), r.dtype, r.role, format_spec(r.spec))
+    hidden = len(records) - len(rows)
+    if hidden:
+        t.add_row(f"... {hidden} more (replicated or elided)", "", "", "", "")
+    return t
+
+
+def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
+    """A readable multi-table summary of a plan.
+
+    Example:
+        >>> print(autopar.report.summary(plan))       # doctest: +SKIP
+    """
+    head = (
+        f"Plan '{plan.name}': mesh {mesh_text(plan)} ({plan.num_devices} devices), "
+        f"ZeRO stage {plan.zero_stage}, remat {plan.remat}"
+    )
+    if plan.pipeline is not None:
+        pp = plan.pipeline
+        head += (
+            f", pipeline {pp.num_stages} stages {pp.schedule} x {pp.microbatches} microbatches"
+        )
+    parts: list[object] = [head, cost_table(plan)]
+    if plan.predicted.collectives:
+        parts.append(collectives_table(plan))
+    if plan.layers:
+        parts.append(layers_table(plan, max_layers))
+    parts.append(inputs_table(plan.inputs, "Input layouts (sharded leaves)"))
+    return render(*parts, width=width)
