@@ -273,8 +273,17 @@ class AutoParallel:
     # -- user API ---------------------------------------------------------------------
     def __call__(self, *args: Any):
         entry = self._entry(args)
-        _, dyn = self._split_static(args)
-        return entry.lowered(*dyn)
+        dyn = self._split_static(args)[0] if self.lowering_options.static_argnums else args
+        try:
+            # Fast path: arguments already laid out as planned (e.g. the previous step's
+            # outputs), or uncommitted host/single-device arrays that jit places itself.
+            return entry.lowered.jitted(*dyn)
+        except ValueError as e:
+            if "does not match the sharding" not in str(e):
+                raise
+        # Committed to another layout: copy onto the planned shardings. The user's arrays
+        # are left untouched (never donated unless named in donate_argnums).
+        return entry.lowered.jitted(*entry.lowered.place_inputs(dyn))
 
     def plan_for(self, *args: Any) -> Plan:
         """The plan this function uses for ``args`` (traces and plans, does not run)."""

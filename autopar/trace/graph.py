@@ -12,6 +12,7 @@ so the lowering stage can re-interpret exactly the equations the search saw.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,24 @@ import numpy as np
 
 Phase = Literal["forward", "backward", "optimizer", "other"]
 InputRole = Literal["param", "opt_state", "model_state", "batch", "other"]
+
+
+_ITEMSIZE: dict[str, int] = {"bool": 1, "float0": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        pass
+    try:  # bfloat16, float8_*: numpy knows them once ml_dtypes is imported
+        import ml_dtypes  # noqa: F401
+
+        return np.dtype(dtype).itemsize
+    except (ImportError, TypeError):
+        # JAX extended dtypes: typed PRNG keys ("key<fry>") hold two uint32 words;
+        # tokens and other opaque values hold no data worth counting.
+        return 8 if dtype.startswith("key<") else 0
 
 
 @dataclass(frozen=True)
@@ -36,17 +55,18 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
-        if self.dtype in ("bool", "float0"):
-            return 1
-        return np.dtype(self.dtype).itemsize
+        size = _ITEMSIZE.get(self.dtype)
+        if size is None:
+            size = _ITEMSIZE[self.dtype] = _itemsize(self.dtype)
+        return size
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.size * self.itemsize
 
@@ -107,6 +127,9 @@ class Node:
         layer: index of the layer this node belongs to (``Graph.layers``), or ``None``.
         body: for ``scan``/``while``/``cond`` the traced body graph(s), else empty.
         length: trip count for ``scan`` (1 for everything else).
+        scope: where the node sits: ``()`` at top level, else the ``(node_id, body_index)``
+            pairs of the enclosing composite nodes, outermost first (body ``b`` of a node is
+            ``node.body[b]``, the ``b``-th jaxpr of ``jaxprs_in_params(eqn.params)``).
     """
 
     id: int
@@ -124,6 +147,7 @@ class Node:
     layer: int | None = None
     body: tuple[Graph, ...] = ()
     length: int = 1
+    scope: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,6 +164,9 @@ class Layer:
         forward_flops / backward_flops: the same split by phase.
         signature: nodes with equal signatures are structurally identical layers (the
             search solves one and tiles the rest).
+        iteration: for ``kind == "scan"``, which iteration of the loop this layer is (its
+            ``nodes`` are the loop nodes, shared by all ``length`` iterations); else ``None``.
+        optimizer_flops: the optimizer's share (included in ``flops``).
     """
 
     index: int
@@ -150,6 +177,8 @@ class Layer:
     forward_flops: float
     backward_flops: float
     signature: str = ""
+    iteration: int | None = None
+    optimizer_flops: float = 0.0
 
 
 class Graph:
@@ -172,6 +201,8 @@ class Graph:
         jaxpr: Any = None,
         in_tree: Any = None,
         out_tree: Any = None,
+        consts: Sequence[int] = (),
+        scope: tuple[tuple[int, int], ...] = (),
     ) -> None:
         self.nodes: tuple[Node, ...] = tuple(nodes)
         self.values: dict[int, TensorInfo] = dict(values)
@@ -181,11 +212,15 @@ class Graph:
         self.jaxpr = jaxpr  # the inlined ClosedJaxpr; node.id indexes jaxpr.jaxpr.eqns
         self.in_tree = in_tree  # PyTreeDef of the (args, kwargs) the function was traced with
         self.out_tree = out_tree
+        # value ids of the closed-over constants (``jaxpr.jaxpr.constvars`` order)
+        self.consts: tuple[int, ...] = tuple(consts)
+        # ``()`` for the traced function; for a loop body, the ``(node_id, body_index)``
+        # path from the top-level graph (same convention as ``Node.scope``)
+        self.scope: tuple[tuple[int, int], ...] = tuple(scope)
         self.producer: dict[int, int] = {}
         self.consumers: dict[int, list[int]] = {}
-        self.dag = nx.DiGraph()
+        edges: list[tuple[int, int, dict[str, int]]] = []
         for node in self.nodes:
-            self.dag.add_node(node.id)
             for v in node.outputs:
                 self.producer[v] = node.id
         for node in self.nodes:
@@ -195,7 +230,10 @@ class Graph:
                 self.consumers.setdefault(v, []).append(node.id)
                 src = self.producer.get(v)
                 if src is not None:
-                    self.dag.add_edge(src, node.id, value=v)
+                    edges.append((src, node.id, {"value": v}))
+        self.dag = nx.DiGraph()
+        self.dag.add_nodes_from(node.id for node in self.nodes)
+        self.dag.add_edges_from(edges)
 
     # -- access -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -213,10 +251,56 @@ class Graph:
         return float(sum(n.flops for n in self.nodes))
 
     def flops_by_phase(self) -> dict[str, float]:
+        """FLOPs per phase. A loop whose body mixes phases (a gradient-accumulation scan)
+        is split by its body nodes' phases, scaled like the loop."""
         out: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
         for n in self.nodes:
-            out[n.phase] += n.flops
+            if n.body and n.primitive == "scan":
+                for phase, f in n.body[0].flops_by_phase().items():
+                    out[phase] += n.length * f
+            else:
+                out[n.phase] += n.flops
         return out
+
+    def bytes_by_phase(self) -> dict[str, int]:
+        """Bytes read plus written per phase (loops scaled like their FLOPs)."""
+        out: dict[str, int] = {"forward": 0, "backward": 0, "optimizer": 0, "other": 0}
+        for n in self.nodes:
+            out[n.phase] += n.bytes_in + n.bytes_out
+        return out
+
+    def input(self, path: str) -> GraphInput:
+        """The input whose ``path`` is ``path``.
+
+        Raises:
+            KeyError: no such input (the message lists a few similar paths).
+        """
+        for i in self.inputs:
+            if i.path == path:
+                return i
+        close = [i.path for i in self.inputs if path.split("/")[-1] in i.path][:5]
+        raise KeyError(f"no input with path {path!r}; similar: {close}")
+
+    def layer_of(self, node_id: int) -> Layer | None:
+        """The layer node ``node_id`` belongs to, or ``None``."""
+        idx = self.nodes[node_id].layer
+        return None if idx is None else self.layers[idx]
+
+    def summary(self, width: int = 110, max_layers: int = 40) -> str:
+        """A text report: node counts, FLOPs and bytes per phase, parameters, layers.
+
+        Example:
+            >>> print(autopar.trace(step, *args).summary())   # doctest: +SKIP
+        """
+        from autopar.trace.summary import render_summary
+
+        return render_summary(self, width=width, max_layers=max_layers)
+
+    def __repr__(self) -> str:
+        return (
+            f"Graph(nodes={len(self.nodes)}, inputs={len(self.inputs)}, "
+            f"layers={len(self.layers)}, flops={self.total_flops:.4g})"
+        )
 
     def inputs_by_role(self, role: InputRole) -> tuple[GraphInput, ...]:
         return tuple(i for i in self.inputs if i.role == role)

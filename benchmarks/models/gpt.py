@@ -259,14 +259,18 @@ class Block(nn.Module):
         out_std = _INIT_STD / math.sqrt(2 * cfg.layers)
         h = nn.LayerNorm(dtype=dtype, name="ln_1")(x)
         h = CausalSelfAttention(
-            cfg.hidden, cfg.heads, cfg.kv_heads, cfg.dropout, out_std,
-            self.deterministic, dtype, name="attn",
-        )(h)  # fmt: skip
+            hidden=cfg.hidden,
+            heads=cfg.heads,
+            kv_heads=cfg.kv_heads,
+            dropout=cfg.dropout,
+            out_init_std=out_std,
+            deterministic=self.deterministic,
+            dtype=dtype,
+            name="attn",
+        )(h)
         x = x + _dropout(cfg.dropout, self.deterministic, "attn_resid_drop")(h)
         h = nn.LayerNorm(dtype=dtype, name="ln_2")(x)
-        h = FeedForward(
-            cfg.hidden, cfg.ffn_hidden, cfg.activation, out_std, dtype, name="mlp"
-        )(h)  # fmt: skip
+        h = FeedForward(cfg.hidden, cfg.ffn_hidden, cfg.activation, out_std, dtype, name="mlp")(h)
         x = x + _dropout(cfg.dropout, self.deterministic, "mlp_resid_drop")(h)
         return x, None
 
@@ -288,10 +292,12 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
         dtype = compute_dtype(cfg.precision)
-        wte = nn.Embed(cfg.vocab_size, cfg.hidden, dtype=dtype, embedding_init=_normal(_INIT_STD),
-                       name="wte")  # fmt: skip
-        wpe = nn.Embed(cfg.seq_len, cfg.hidden, dtype=dtype, embedding_init=_normal(_INIT_STD),
-                       name="wpe")  # fmt: skip
+        wte = nn.Embed(
+            cfg.vocab_size, cfg.hidden, dtype=dtype, embedding_init=_normal(_INIT_STD), name="wte"
+        )
+        wpe = nn.Embed(
+            cfg.seq_len, cfg.hidden, dtype=dtype, embedding_init=_normal(_INIT_STD), name="wpe"
+        )
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = wte(tokens) + wpe(positions)[None]
         x = _dropout(cfg.dropout, self.deterministic, "embd_drop")(x)

@@ -91,9 +91,7 @@ class MoEConfig:
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(
-                f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]"
-            )
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
         if not 1 <= self.moe_every <= self.layers:
             raise ValueError(f"moe_every={self.moe_every} must be in [1, layers={self.layers}]")
         if self.scan_layers and self.layers % self.moe_every:
@@ -159,6 +157,56 @@ MOE_PRESETS["gshard-1b"] = MOE_PRESETS["alpa-moe-1.3b"]
 # ----------------------------------------------------------------------------- modules
 
 
+def route(probs: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GShard top-k routing with per-expert capacity: dispatch and combine tensors.
+
+    Choices are made one rank at a time (best expert, then the best remaining one, ...);
+    within a rank tokens queue in group order, and rank ``r`` queues behind every rank
+    ``< r`` choice. A token whose slot would be ``>= capacity`` is dropped for that expert.
+
+    Args:
+        probs: router probabilities ``f32[groups, tokens, experts]``.
+        top_k: experts per token.
+        capacity: slots per expert per group.
+
+    Returns:
+        ``dispatch`` (0/1) and ``combine`` (gate-weighted) ``f32[g, s, e, capacity]``, and
+        the load-balancing loss ``E * sum_e f_e * P_e`` averaged over groups (``f_e``:
+        fraction of first choices on ``e``; ``P_e``: mean probability of ``e``).
+
+    Example:
+        >>> probs = jnp.array([[[0.9, 0.1], [0.8, 0.2], [0.7, 0.3]]])
+        >>> dispatch, combine, aux = route(probs, top_k=1, capacity=2)
+        >>> dispatch[0, :, 0].tolist()   # the third token overflows expert 0
+        [[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]
+    """
+    e = probs.shape[-1]
+    remaining = probs
+    fill = jnp.zeros((probs.shape[0], e), jnp.float32)  # slots already taken per expert
+    picks = []  # (expert one-hot [g,s,e], slot [g,s,e], gate [g,s]) per rank
+    for _ in range(top_k):
+        mask = jax.nn.one_hot(jnp.argmax(remaining, axis=-1), e, dtype=jnp.float32)
+        slot = (jnp.cumsum(mask, axis=1) - 1.0 + fill[:, None, :]) * mask
+        fill = fill + jnp.sum(mask, axis=1)
+        picks.append((mask, slot, jnp.sum(probs * mask, axis=-1)))
+        remaining = remaining * (1.0 - mask)
+    if top_k > 1:  # GShard renormalises the chosen gates; top-1 (Switch) keeps the raw prob
+        total = sum(gate for _, _, gate in picks)
+        picks = [(mask, slot, gate / total) for mask, slot, gate in picks]
+
+    dispatch = jnp.zeros((*probs.shape, capacity), jnp.float32)
+    combine = jnp.zeros_like(dispatch)
+    for mask, slot, gate in picks:
+        # one_hot of a slot >= capacity is all zeros: that token overflows and is dropped.
+        kept = mask[..., None] * jax.nn.one_hot(slot.astype(jnp.int32), capacity)
+        dispatch = dispatch + kept
+        combine = combine + gate[:, :, None, None] * kept
+
+    first_choice = picks[0][0]
+    aux = e * jnp.mean(jnp.sum(jnp.mean(first_choice, 1) * jnp.mean(probs, 1), -1))
+    return dispatch, combine, aux
+
+
 class MoELayer(nn.Module):
     """GShard top-k MoE FFN: ``x[B, S, M] -> (y[B, S, M], aux_loss f32 scalar)``."""
 
@@ -178,30 +226,16 @@ class MoELayer(nn.Module):
         xg = x.reshape(b * s // cfg.group_size, cfg.group_size, m)  # [g, s, m]
 
         # Router in float32: its softmax and the top-k choice are precision-sensitive.
-        router = nn.Dense(e, use_bias=False, dtype=jnp.float32, name="router",
-                          kernel_init=nn.initializers.normal(_INIT_STD))  # fmt: skip
+        router = nn.Dense(
+            e,
+            use_bias=False,
+            dtype=jnp.float32,
+            name="router",
+            kernel_init=nn.initializers.normal(_INIT_STD),
+        )
         probs = jax.nn.softmax(router(xg), axis=-1)  # [g, s, e]
 
-        remaining = probs
-        fill = jnp.zeros((xg.shape[0], e), jnp.float32)  # tokens already queued per expert
-        picks = []  # (expert mask [g,s,e], slot [g,s,e], gate [g,s]) per choice
-        for _ in range(cfg.top_k):
-            mask = jax.nn.one_hot(jnp.argmax(remaining, axis=-1), e, dtype=jnp.float32)
-            slot = (jnp.cumsum(mask, axis=1) - 1.0 + fill[:, None, :]) * mask
-            fill = fill + jnp.sum(mask, axis=1)
-            picks.append((mask, slot, jnp.sum(probs * mask, axis=-1)))
-            remaining = remaining * (1.0 - mask)
-        if cfg.top_k > 1:
-            total = sum(gate for _, _, gate in picks)
-            picks = [(mk, sl, gate / total) for mk, sl, gate in picks]
-
-        dispatch = jnp.zeros((*xg.shape[:2], e, c), jnp.float32)
-        combine = jnp.zeros_like(dispatch)
-        for mask, slot, gate in picks:
-            # one_hot of a slot >= capacity is all zeros: that token overflows and is dropped.
-            kept = mask[..., None] * jax.nn.one_hot(slot.astype(jnp.int32), c, dtype=jnp.float32)
-            dispatch = dispatch + kept
-            combine = combine + gate[:, :, None, None] * kept
+        dispatch, combine, aux = route(probs, cfg.top_k, c)
 
         wi = self.param("wi", nn.initializers.normal(_INIT_STD), (e, m, f), jnp.float32)
         wo = self.param("wo", nn.initializers.normal(self.out_init_std), (e, f, m), jnp.float32)
@@ -211,9 +245,6 @@ class MoELayer(nn.Module):
         expert_out = jnp.einsum("egcf,efm->egcm", h, wo)
         y = jnp.einsum("gsec,egcm->gsm", combine.astype(self.dtype), expert_out)
 
-        # Load balance: fraction routed (first choice) times mean probability, per expert.
-        first_choice = picks[0][0]
-        aux = e * jnp.mean(jnp.sum(jnp.mean(first_choice, 1) * jnp.mean(probs, 1), -1))
         return y.reshape(b, s, m), aux
 
 
@@ -231,8 +262,14 @@ class MoEBlock(nn.Module):
         out_std = _INIT_STD / math.sqrt(2 * cfg.layers)
         h = nn.LayerNorm(dtype=dtype, name="ln_1")(x)
         x = x + CausalSelfAttention(
-            cfg.hidden, cfg.heads, cfg.heads, 0.0, out_std, True, dtype, name="attn"
-        )(h)  # fmt: skip
+            hidden=cfg.hidden,
+            heads=cfg.heads,
+            kv_heads=cfg.heads,
+            dropout=0.0,
+            out_init_std=out_std,
+            dtype=dtype,
+            name="attn",
+        )(h)
         h = nn.LayerNorm(dtype=dtype, name="ln_2")(x)
         if self.use_moe:
             h, layer_aux = MoELayer(cfg, out_std, dtype, name="moe")(h)

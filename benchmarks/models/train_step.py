@@ -116,7 +116,10 @@ def build_args(
 
     if abstract:
         return jax.eval_shape(init_state), dict(batch_spec)
-    state = jax.jit(init_state)()
+    # Initialisation runs once, and on CPU XLA spends seconds optimising each parameter's
+    # random-number kernel; unoptimised code builds the same values (same HLO) far sooner.
+    compiled = jax.jit(init_state).lower().compile({"xla_backend_optimization_level": 0})
+    state = compiled()
     batch = make_batch(jax.random.fold_in(jax.random.PRNGKey(seed), 1))
     for name, spec in batch_spec.items():
         leaf = batch[name]

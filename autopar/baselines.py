@@ -1,0 +1,449 @@
+"""Hand-written parallel plans, the expert configurations the planner is compared against.
+
+Each function takes a traced :class:`~autopar.trace.graph.Graph` (or the step function
+followed by its arguments) and a mesh (``{"data": 8}``, or a ``jax.sharding.Mesh``) and
+returns a :class:`~autopar.plan.Plan` with a spec for every input and output leaf:
+
+* :func:`data_parallel`: the batch split over every mesh axis, everything else replicated.
+* :func:`zero`: data parallel plus ZeRO: stage 1 shards optimizer state, stage 2 also
+  gradients (inside the step, so its in/out layout equals stage 1's), stage 3 (FSDP) also
+  parameters; sharded over every non-``tensor_axis`` axis.
+* :func:`megatron`: tensor parallelism by parameter *name* (Megatron-LM): ``q/k/v/qkv``,
+  ``fc_in/fc_gate/wi`` split column-wise (output dim), ``out/fc_out/wo`` row-wise (input
+  dim), token embeddings on the vocabulary; the batch replicated over ``tensor`` and split
+  over the other axes.
+* :func:`data_tensor`: 2D, the batch over ``data`` and Megatron over ``tensor``.
+* :func:`expert_parallel`: MoE experts split over ``expert`` (GShard), batch over all axes.
+
+Optimizer-state leaves follow their parameter's spec (matched by the path after
+``opt_state/...`` and the shape, so both ``opt_state/0/mu/<param>`` and the mixed-precision
+``opt_state/master/<param>`` and ``opt_state/adam/0/nu/<param>`` work). An updated output
+gets its input's spec; the loss and other outputs are replicated. A dimension is only split
+over axes whose size divides it; otherwise that leaf stays replicated and the fallback is
+recorded in ``plan.layers`` under ``"fallbacks"``. ``plan.predicted`` is left empty: score
+a baseline with ``autopar.evaluate``.
+
+Example:
+    >>> plan = megatron(step, {"data": 2, "tensor": 4}, state, batch)   # doctest: +SKIP
+    >>> plan.input("params/h/attn/q/kernel").spec                       # doctest: +SKIP
+    (None, None, 'tensor')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopar.errors import InvalidOptionError
+from autopar.lower.lowering import arg_names, leaf_paths
+from autopar.plan import LayerStrategy, Plan, Spec, SpecEntry, TensorSharding
+
+# Megatron-LM's split, by the name of the parameter or of the module that owns it.
+COLUMN_NAMES = frozenset(
+    {"q", "k", "v", "qkv", "query", "key", "value", "fc_in", "fc_gate", "wi", "wi_0", "wi_1",
+     "fc1", "up", "gate", "up_proj", "gate_proj", "q_proj", "k_proj", "v_proj"}
+)  # fmt: skip
+ROW_NAMES = frozenset({"out", "o", "fc_out", "wo", "fc2", "down", "down_proj", "o_proj"})
+POSITION_EMBEDDING_NAMES = frozenset({"wpe", "pos_embed", "pos_emb", "position_embeddings"})
+EXPERT_NAMES = frozenset({"wi", "wo", "wi_0", "wi_1", "experts"})
+_LEAF_NAMES = frozenset({"kernel", "bias", "embedding", "scale", "weight"})
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One flat input or output leaf as a baseline sees it."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+    output_index: int | None = None  # for inputs: the output that is its update
+
+
+# ------------------------------------------------------------------------------- leaves
+
+
+def _role_from_path(path: str, stateful: bool) -> str:
+    parts = path.split("/")
+    if "opt_state" in parts:
+        return "opt_state"
+    if "params" in parts:
+        return "param"
+    return "model_state" if stateful else "batch"
+
+
+def describe(graph_or_fn: Any, args: Sequence[Any] = ()) -> tuple[list[Leaf], list[Leaf], Any, Any]:
+    """Input and output leaves (and the trees to bind) of a graph or of ``fn(*args)``.
+
+    From a function, roles come from paths: under ``opt_state`` -> optimizer state, under
+    ``params`` -> parameter, other leaves of an argument holding parameters -> model state,
+    leaves of other arguments -> batch. An output is an input's update when its path after
+    the first part equals the input's (``0/params/w`` updates ``state/params/w``).
+    """
+    if hasattr(graph_or_fn, "inputs") and hasattr(graph_or_fn, "outputs"):
+        g = graph_or_fn
+        ins = [
+            Leaf(i.path, tuple(i.tensor.shape), str(i.tensor.dtype), i.role, i.output_index)
+            for i in g.inputs
+        ]
+        outs = [
+            Leaf(o.path, tuple(o.tensor.shape), str(o.tensor.dtype), "other") for o in g.outputs
+        ]
+        return ins, outs, g.in_tree, g.out_tree
+    fn: Callable = graph_or_fn
+    if not callable(fn):
+        raise InvalidOptionError(f"expected a Graph or a function, got {type(fn).__name__}.")
+    args = tuple(args)
+    names = arg_names(fn, len(args))
+    paths = leaf_paths(args, names)
+    leaves, in_tree = jax.tree_util.tree_flatten(args)
+    heads = [p.split("/", 1)[0] for p in paths]
+    # An argument holding parameters or optimizer state is the model state.
+    stateful_args = {
+        h for h, p in zip(heads, paths, strict=True) if {"params", "opt_state"} & set(p.split("/"))
+    }
+    out = jax.eval_shape(fn, *args)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    out_paths = leaf_paths((out,), ["out"])
+    out_key = {}
+    for j, (p, x) in enumerate(zip(out_paths, out_leaves, strict=True)):
+        key = p.split("/", 2)[-1] if p.count("/") >= 2 else None
+        if key is not None:
+            out_key.setdefault((key, tuple(x.shape), str(np.dtype(x.dtype))), j)
+    ins = []
+    for p, h, x in zip(paths, heads, leaves, strict=True):
+        shape, dtype = tuple(np.shape(x)), str(np.dtype(x.dtype))
+        role = _role_from_path(p, h in stateful_args)
+        key = p.split("/", 1)[-1]
+        ins.append(Leaf(p, shape, dtype, role, out_key.get((key, shape, dtype))))
+    outs = [
+        Leaf(p, tuple(x.shape), str(np.dtype(x.dtype)), "other")
+        for p, x in zip(out_paths, out_leaves, strict=True)
+    ]
+    return ins, outs, in_tree, out_tree
+
+
+def _mesh_dict(mesh: Any) -> dict[str, int]:
+    if isinstance(mesh, Mapping):
+        return {str(k): int(v) for k, v in mesh.items()}
+    if hasattr(mesh, "shape") and hasattr(mesh, "axis_names"):
+        return {str(a): int(mesh.shape[a]) for a in mesh.axis_names}
+    raise InvalidOptionError(f"mesh={mesh!r} must be a mapping axis -> size or a jax Mesh.")
+
+
+# ------------------------------------------------------------------------------- specs
+
+
+def _entry(axes: Sequence[str]) -> SpecEntry:
+    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def _size(mesh: Mapping[str, int], axes: Sequence[str]) -> int:
+    return math.prod(mesh[a] for a in axes)
+
+
+def _names(path: str) -> tuple[str, str]:
+    """(leaf name, owner name): ``.../q/kernel`` -> ``("kernel", "q")``."""
+    parts = path.split("/")
+    leaf = parts[-1]
+    owner = parts[-2] if len(parts) > 1 else ""
+    return leaf, owner
+
+
+def _param_key(path: str) -> str | None:
+    parts = path.split("/")
+    if "params" not in parts:
+        return None
+    return "/".join(parts[parts.index("params") + 1 :])
+
+
+class _Builder:
+    """Collects specs and the fallbacks taken."""
+
+    def __init__(self, mesh: Mapping[str, int]) -> None:
+        self.mesh = dict(mesh)
+        self.fallbacks: list[tuple[str, str]] = []
+
+    def split(
+        self, spec: list[SpecEntry], shape: Sequence[int], dim: int, axes: Sequence[str], path: str
+    ) -> bool:
+        """Put ``axes`` on ``dim`` if they divide it; record a fallback otherwise."""
+        if not axes:
+            return True
+        n = _size(self.mesh, axes)
+        if not -len(shape) <= dim < len(shape):
+            self.fallbacks.append(
+                (path, f"rank {len(shape)} has no dim {dim} to split over {tuple(axes)}")
+            )
+            return False
+        if shape[dim] % n:
+            self.fallbacks.append(
+                (
+                    path,
+                    f"dim {dim % len(shape)} ({shape[dim]}) not divisible by {tuple(axes)}={n}: replicated",
+                )
+            )
+            return False
+        spec[dim] = _entry(axes)
+        return True
+
+    def shard_free_dim(
+        self, spec: list[SpecEntry], shape: Sequence[int], axes: Sequence[str], path: str
+    ) -> None:
+        """ZeRO: split the largest still-unsplit dim that ``axes`` divide (ties: the last)."""
+        if not axes or not shape:
+            return
+        n = _size(self.mesh, axes)
+        free = [
+            d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0 and shape[d] >= n
+        ]
+        if not free:
+            self.fallbacks.append(
+                (path, f"no dim of {tuple(shape)} divisible by {tuple(axes)}={n}: not sharded")
+            )
+            return
+        best = max(free, key=lambda d: (shape[d], d))
+        spec[best] = _entry(axes)
+
+
+def _tensor_spec(b: _Builder, leaf: Leaf, tensor_axis: str | None) -> list[SpecEntry]:
+    spec: list[SpecEntry] = [None] * len(leaf.shape)
+    if tensor_axis is None or not leaf.shape:
+        return spec
+    name, owner = _names(leaf.path)
+    module = name if name not in _LEAF_NAMES else owner
+    if module in COLUMN_NAMES:
+        b.split(spec, leaf.shape, -1, (tensor_axis,), leaf.path)
+    elif module in ROW_NAMES:
+        if name != "bias":  # the row-parallel bias is added after the all-reduce
+            b.split(spec, leaf.shape, -2, (tensor_axis,), leaf.path)
+    elif name == "embedding" and owner not in POSITION_EMBEDDING_NAMES and len(leaf.shape) >= 2:
+        b.split(spec, leaf.shape, -2, (tensor_axis,), leaf.path)
+    return spec
+
+
+def _expert_spec(b: _Builder, leaf: Leaf, expert_axis: str | None) -> list[SpecEntry]:
+    spec: list[SpecEntry] = [None] * len(leaf.shape)
+    if expert_axis is None:
+        return spec
+    name, owner = _names(leaf.path)
+    if (name in EXPERT_NAMES or owner in EXPERT_NAMES) and len(leaf.shape) >= 3:
+        b.split(spec, leaf.shape, -3, (expert_axis,), leaf.path)
+    return spec
+
+
+def _build(
+    graph_or_fn: Any,
+    mesh: Any,
+    args: Sequence[Any],
+    *,
+    name: str,
+    batch_axes: Sequence[str],
+    zero_axes: Sequence[str] = (),
+    zero_stage: int = 0,
+    tensor_axis: str | None = None,
+    expert_axis: str | None = None,
+) -> Plan:
+    mesh_d = _mesh_dict(mesh)
+    for ax in (*batch_axes, *zero_axes, *(a for a in (tensor_axis, expert_axis) if a)):
+        if ax not in mesh_d:
+            raise InvalidOptionError(
+                f"axis {ax!r} is not in the mesh {mesh_d}; axes: {list(mesh_d)}."
+            )
+    ins, outs, in_tree, out_tree = describe(graph_or_fn, args)
+    b = _Builder(mesh_d)
+
+    def model_spec(leaf: Leaf) -> list[SpecEntry]:
+        spec = _tensor_spec(b, leaf, tensor_axis)
+        if expert_axis is not None:
+            ex = _expert_spec(b, leaf, expert_axis)
+            spec = [e if e is not None else s for e, s in zip(ex, spec, strict=True)]
+        return spec
+
+    # Parameters first: optimizer-state leaves (which flatten before "params") follow them.
+    param_specs: dict[tuple[str, tuple[int, ...]], list[SpecEntry]] = {}
+    model_specs: dict[int, list[SpecEntry]] = {}
+    for i, leaf in enumerate(ins):
+        if leaf.role == "param":
+            model_specs[i] = model_spec(leaf)
+            key = _param_key(leaf.path)
+            if key is not None:
+                param_specs[(key, leaf.shape)] = list(model_specs[i])
+    specs: list[Spec] = []
+    for i, leaf in enumerate(ins):
+        spec: list[SpecEntry] = [None] * len(leaf.shape)
+        if leaf.role == "batch":
+            if leaf.shape:
+                b.split(spec, leaf.shape, 0, tuple(batch_axes), leaf.path)
+        elif leaf.role == "param":
+            spec = list(model_specs[i])
+            if zero_stage >= 3:
+                b.shard_free_dim(spec, leaf.shape, zero_axes, leaf.path)
+        elif leaf.role == "opt_state":
+            spec = _follow_param(leaf, param_specs)
+            if zero_stage >= 1:
+                b.shard_free_dim(spec, leaf.shape, zero_axes, leaf.path)
+        specs.append(tuple(spec))
+
+    inputs = tuple(
+        TensorSharding(leaf.path, leaf.shape, leaf.dtype, spec, leaf.role)
+        for leaf, spec in zip(ins, specs, strict=True)
+    )
+    by_output = {
+        leaf.output_index: (spec, leaf.role)
+        for leaf, spec in zip(ins, specs, strict=True)
+        if leaf.output_index is not None
+    }
+    outputs = []
+    for j, leaf in enumerate(outs):
+        spec, role = by_output.get(j, ((None,) * len(leaf.shape), "other"))
+        outputs.append(TensorSharding(leaf.path, leaf.shape, leaf.dtype, spec, role))
+    layers = ()
+    if b.fallbacks:
+        layers = (LayerStrategy("fallbacks", tuple(b.fallbacks)),)
+    plan = Plan(
+        mesh=mesh_d,
+        inputs=inputs,
+        outputs=tuple(outputs),
+        zero_stage=zero_stage,
+        layers=layers,
+        name=name,
+    )
+    return plan.bind(in_tree, out_tree)
+
+
+def _follow_param(
+    leaf: Leaf, param_specs: Mapping[tuple[str, tuple[int, ...]], list[SpecEntry]]
+) -> list[SpecEntry]:
+    """An optimizer-state leaf's spec: its parameter's (path suffix after ``opt_state`` and
+    shape equal), else replicated (step counters, scalars)."""
+    parts = leaf.path.split("/")
+    rest = parts[parts.index("opt_state") + 1 :] if "opt_state" in parts else parts
+    for start in range(len(rest)):
+        key = "/".join(rest[start:])
+        spec = param_specs.get((key, leaf.shape))
+        if spec is not None:
+            return list(spec)
+    return [None] * len(leaf.shape)
+
+
+# ------------------------------------------------------------------------------- plans
+
+
+def data_parallel(graph_or_fn: Any, mesh: Any, *args: Any) -> Plan:
+    """Pure data parallelism: the batch over every mesh axis, the rest replicated.
+
+    Example:
+        >>> plan = data_parallel(step, {"data": 8}, state, batch)    # doctest: +SKIP
+        >>> plan.input("batch/tokens").spec                          # doctest: +SKIP
+        ('data', None)
+    """
+    axes = tuple(_mesh_dict(mesh))
+    return _build(graph_or_fn, mesh, args, name="data_parallel", batch_axes=axes)
+
+
+def zero(
+    graph_or_fn: Any, mesh: Any, stage: int = 3, *args: Any, tensor_axis: str | None = None
+) -> Plan:
+    """ZeRO stage 1/2/3 (stage 3 = FSDP) over every axis but ``tensor_axis``.
+
+    With ``tensor_axis`` given, parameters are also split Megatron-style over it. From a
+    function the arguments follow the stage: ``zero(step, mesh, 3, state, batch)``.
+
+    Example:
+        >>> plan = zero(graph, {"data": 8}, stage=3)                  # doctest: +SKIP
+        >>> plan.zero_stage
+        3
+    """
+    if stage not in (1, 2, 3):
+        raise InvalidOptionError(f"stage={stage!r} must be 1, 2 or 3.")
+    mesh_d = _mesh_dict(mesh)
+    axes = tuple(a for a in mesh_d if a != tensor_axis)
+    return _build(
+        graph_or_fn, mesh, args, name=f"zero{stage}" + (f"+{tensor_axis}" if tensor_axis else ""),
+        batch_axes=axes, zero_axes=axes, zero_stage=stage, tensor_axis=tensor_axis,
+    )  # fmt: skip
+
+
+def megatron(graph_or_fn: Any, mesh: Any, *args: Any, tensor_axis: str = "tensor") -> Plan:
+    """Megatron-LM tensor parallelism over ``tensor_axis``; the batch over the other axes.
+
+    Example:
+        >>> plan = megatron(step, {"tensor": 8}, state, batch)         # doctest: +SKIP
+        >>> plan.input("params/h/mlp/fc_out/kernel").spec               # doctest: +SKIP
+        (None, 'tensor', None)
+    """
+    mesh_d = _mesh_dict(mesh)
+    if tensor_axis not in mesh_d:
+        raise InvalidOptionError(f"megatron needs a {tensor_axis!r} axis; the mesh is {mesh_d}.")
+    axes = tuple(a for a in mesh_d if a != tensor_axis)
+    return _build(
+        graph_or_fn, mesh, args, name="megatron", batch_axes=axes, tensor_axis=tensor_axis
+    )
+
+
+def data_tensor(
+    graph_or_fn: Any, mesh: Any, *args: Any, data_axis: str = "data", tensor_axis: str = "tensor"
+) -> Plan:
+    """2D parallelism: the batch over ``data_axis`` (and any other non-tensor axis),
+    Megatron over ``tensor_axis``.
+
+    Example:
+        >>> plan = data_tensor(step, {"data": 2, "tensor": 4}, state, batch)   # doctest: +SKIP
+    """
+    mesh_d = _mesh_dict(mesh)
+    for ax in (data_axis, tensor_axis):
+        if ax not in mesh_d:
+            raise InvalidOptionError(f"data_tensor needs a {ax!r} axis; the mesh is {mesh_d}.")
+    axes = tuple(a for a in mesh_d if a != tensor_axis)
+    return _build(
+        graph_or_fn, mesh, args, name="data+tensor", batch_axes=axes, tensor_axis=tensor_axis
+    )
+
+
+def expert_parallel(graph_or_fn: Any, mesh: Any, *args: Any, expert_axis: str = "expert") -> Plan:
+    """GShard expert parallelism: expert weights (``wi``/``wo`` with a leading expert dim)
+    split over ``expert_axis``, the batch over every axis, other parameters replicated.
+
+    Example:
+        >>> plan = expert_parallel(step, {"data": 2, "expert": 4}, state, batch)  # doctest: +SKIP
+    """
+    mesh_d = _mesh_dict(mesh)
+    if expert_axis not in mesh_d:
+        raise InvalidOptionError(
+            f"expert_parallel needs a {expert_axis!r} axis; the mesh is {mesh_d}."
+        )
+    return _build(
+        graph_or_fn,
+        mesh,
+        args,
+        name="expert_parallel",
+        batch_axes=tuple(mesh_d),
+        expert_axis=expert_axis,
+    )
+
+
+def fallbacks(plan: Plan) -> tuple[tuple[str, str], ...]:
+    """The ``(path, reason)`` of every leaf a baseline left replicated for divisibility."""
+    for layer in plan.layers:
+        if layer.layer == "fallbacks":
+            return layer.ops
+    return ()
+
+
+__all__ = [
+    "COLUMN_NAMES",
+    "ROW_NAMES",
+    "data_parallel",
+    "data_tensor",
+    "describe",
+    "expert_parallel",
+    "fallbacks",
+    "megatron",
+    "zero",
+]

@@ -1,0 +1,563 @@
+"""Plan -> a sharded ``jax.jit`` program.
+
+:func:`lower_plan` turns a :class:`~autopar.plan.Plan` into a :class:`LoweredStep`:
+
+* ``in_shardings`` / ``out_shardings``: a ``NamedSharding`` per flat leaf from
+  ``plan.inputs`` / ``plan.outputs`` on a mesh of ``Auto`` axes (:func:`make_mesh`);
+* ``with_sharding_constraint`` at ``plan.activations``, inserted by re-interpreting the
+  traced, inlined jaxpr (loop bodies included, addressed by ``scope``) when a graph is
+  given; without constraints the user's function itself is jitted;
+* ZeRO-3 (``plan.zero_stage == 3``): parameters sharded over data-parallel axes are
+  constrained to their *gathered* spec where the step uses them, which makes XLA all-gather
+  weights (not activations) before use and reduce-scatter their gradients;
+* donation only of ``options.donate_argnums``; :meth:`LoweredStep.place_inputs` copies
+  inputs onto the planned shardings without ever aliasing the caller's buffers.
+
+Remat: ``jax.checkpoint`` must wrap a function *before* it is differentiated, and the
+user's step already contains ``jax.grad``: from outside, the forward/backward split is
+fixed in the jaxpr. So a plan with ``remat != "none"`` is lowered only if the user applied
+the policy inside the model (:func:`remat_policy` gives the ``jax.checkpoint`` policy) and
+says so with ``LoweringOptions(extra={"remat": "in_model"})``; otherwise lowering refuses
+rather than silently using more memory than planned.
+
+Example:
+    >>> lowered = lower_plan(step, plan, (state, batch))        # doctest: +SKIP
+    >>> new_state, loss = lowered(state, batch)                  # doctest: +SKIP
+    >>> print(lowered.memory_analysis())                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from autopar.errors import LoadPlanError, LowerPlanError
+from autopar.lower.interpret import Scope, body_jaxprs, evaluate
+from autopar.lower.mesh import make_mesh
+from autopar.options import LoweringOptions
+from autopar.plan import (
+    ActivationConstraint,
+    Plan,
+    Spec,
+    TensorSharding,
+    spec_axes,
+    to_partition_spec,
+)
+
+# Axes that never split the batch: ZeRO-3's "gathered" spec keeps them.
+_MODEL_AXES = frozenset({"tensor", "expert", "seq", "pipe"})
+
+# Memory figures on CPU hide the scratch of YNN fusions unless this is set (JAX-NOTES).
+CPU_MEMORY_COMPILER_OPTIONS: Mapping[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+# ------------------------------------------------------------------------------- paths
+
+
+def _key_str(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaf_paths(args: Sequence[Any], names: Sequence[str] | None = None) -> list[str]:
+    """``/``-joined paths of the flat leaves of positional ``args`` (``jax.tree.leaves``
+    order), e.g. ``"state/params/h/attn/q/kernel"``; the first part is the argument's name
+    (``names``) or its position.
+
+    Example:
+        >>> leaf_paths(({"w": 1, "b": (2, 3)},), ["params"])
+        ['params/b/0', 'params/b/1', 'params/w']
+    """
+    out: list[str] = []
+    for i, a in enumerate(args):
+        head = names[i] if names is not None and i < len(names) else str(i)
+        for kp, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
+            out.append("/".join([head, *(_key_str(k) for k in kp)]))
+    return out
+
+
+def arg_names(fn: Callable, n: int) -> list[str] | None:
+    """The names of ``fn``'s first ``n`` positional parameters, if it has a signature."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(names) < n:
+        return None
+    return names[:n]
+
+
+def same_path(a: str, b: str) -> bool:
+    """Paths agree, allowing the argument's name to be spelt as a name or a position."""
+    return a == b or a.split("/", 1)[-1] == b.split("/", 1)[-1]
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+def _dtype_str(x: Any) -> str:
+    return str(np.dtype(x.dtype)) if x.dtype is not None else "?"
+
+
+def check_leaves(
+    records: Sequence[TensorSharding], leaves: Sequence[Any], paths: Sequence[str], what: str
+) -> None:
+    """Raise :class:`LoadPlanError` naming the first leaf whose path/shape/dtype differs."""
+    if len(records) != len(leaves):
+        raise LoadPlanError(
+            f"the plan has {len(records)} {what} leaves but the function has {len(leaves)}; "
+            "the plan was made for another signature: re-plan with autopar.plan(...)."
+        )
+    for i, (rec, leaf, path) in enumerate(zip(records, leaves, paths, strict=True)):
+        shape, dtype = tuple(np.shape(leaf)), _dtype_str(leaf)
+        if not same_path(rec.path, path) or tuple(rec.shape) != shape or rec.dtype != dtype:
+            raise LoadPlanError(
+                f"{what} leaf {i} is {path} {shape} {dtype} but the plan has {rec.path} "
+                f"{tuple(rec.shape)} {rec.dtype}; re-plan for this signature."
+            )
+
+
+def _check_spec(spec: Spec, shape: Sequence[int], mesh: Mesh, where: str) -> None:
+    if len(spec) > len(shape):
+        raise LowerPlanError(
+            f"{where}: spec {spec} has {len(spec)} entries for a rank-{len(shape)} tensor."
+        )
+    used = spec_axes(spec)
+    for ax in used:
+        if ax not in mesh.shape:
+            raise LowerPlanError(
+                f"{where}: spec {spec} uses axis {ax!r}, not in the mesh {dict(mesh.shape)}."
+            )
+    if len(set(used)) != len(used):
+        raise LowerPlanError(f"{where}: spec {spec} uses a mesh axis twice.")
+    for d, entry in enumerate(spec):
+        if entry is None:
+            continue
+        axes = (entry,) if isinstance(entry, str) else entry
+        n = math.prod(mesh.shape[a] for a in axes)
+        if shape[d] % n:
+            raise LowerPlanError(
+                f"{where}: dim {d} of size {shape[d]} is split over {axes} ({n} devices), "
+                "which does not divide it; fix the spec or pad the tensor."
+            )
+
+
+def _shardings(records: Sequence[TensorSharding], mesh: Mesh, what: str) -> list[NamedSharding]:
+    out = []
+    for r in records:
+        _check_spec(r.spec, r.shape, mesh, f"{what} {r.path}")
+        out.append(NamedSharding(mesh, to_partition_spec(r.spec)))
+    return out
+
+
+# ------------------------------------------------------------------------------- remat
+
+
+def remat_policy(name: str) -> Callable[..., bool] | None:
+    """The ``jax.checkpoint`` policy for a plan's ``remat`` (``None`` for ``"none"``).
+
+    ``"selective"`` saves matmul outputs without batch dimensions (weights-stationary
+    dots, Megatron's selective recomputation spirit: recompute the cheap elementwise and
+    attention-softmax work); ``"full"`` saves nothing (recompute the whole layer).
+    Apply it where the layer is defined, e.g. ``nn.remat(Block, policy=...)`` or
+    ``jax.checkpoint(layer_fn, policy=...)``.
+
+    Example:
+        >>> remat_policy("full") is jax.checkpoint_policies.nothing_saveable
+        True
+    """
+    if name == "none":
+        return None
+    if name == "selective":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    raise LowerPlanError(f"remat={name!r} is unknown; use 'none', 'selective' or 'full'.")
+
+
+# ------------------------------------------------------------------------------- result
+
+
+@dataclass(frozen=True, eq=False)
+class LoweredStep:
+    """A plan lowered to a sharded ``jax.jit`` program (not yet compiled).
+
+    Call it like the user's function: ``lowered(*args)`` places the inputs on the planned
+    shardings (copies, never aliases) and runs the program.
+
+    Attributes:
+        plan: the plan it realises.
+        mesh: the device mesh.
+        jitted: the ``jax.jit``-wrapped callable of the dynamic arguments.
+        in_shardings: one pytree of ``NamedSharding`` per dynamic argument.
+        out_shardings: pytree of ``NamedSharding`` matching the results.
+        options: the lowering options.
+        static_args: ``{position: value}`` of the static arguments closed over.
+        abstract_args: ``jax.ShapeDtypeStruct`` (with shardings) per dynamic argument.
+    """
+
+    plan: Plan
+    mesh: Mesh
+    jitted: Any
+    in_shardings: tuple[Any, ...]
+    out_shardings: Any
+    options: LoweringOptions
+    static_args: Mapping[int, Any]
+    abstract_args: tuple[Any, ...]
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    # -- running ----------------------------------------------------------------------
+    def _dynamic(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        n = len(self.abstract_args) + len(self.static_args)
+        if len(args) == len(self.abstract_args) and self.static_args and len(args) != n:
+            return tuple(args)  # already the dynamic arguments only
+        if len(args) != n:
+            raise LowerPlanError(
+                f"the step was lowered for {n} arguments, got {len(args)}; pass the same "
+                "arguments as to lower_plan."
+            )
+        for i, v in self.static_args.items():
+            if args[i] is not v and args[i] != v:
+                raise LowerPlanError(
+                    f"static argument {i} is {args[i]!r} but the step was lowered with "
+                    f"{v!r}; lower again for the new value."
+                )
+        return tuple(a for i, a in enumerate(args) if i not in self.static_args)
+
+    def place_inputs(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """The dynamic arguments laid out as planned.
+
+        Arrays already on their planned sharding pass through untouched; everything else
+        is copied with ``jax.device_put(..., may_alias=False)``, so a donated argument's
+        copy can be consumed while the caller's array stays valid.
+        """
+        dyn = self._dynamic(args)
+
+        def place(x: Any, s: NamedSharding) -> Any:
+            if isinstance(x, jax.core.Tracer):
+                return x
+            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
+                return x
+            return jax.device_put(x, s, may_alias=False)
+
+        return tuple(jax.tree.map(place, a, s) for a, s in zip(dyn, self.in_shardings, strict=True))
+
+    def __call__(self, *args: Any) -> Any:
+        return self.jitted(*self.place_inputs(args))
+
+    # -- stages -----------------------------------------------------------------------
+    def _abstract(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        if not args:
+            return self.abstract_args
+        dyn = self._dynamic(args)
+
+        def sds(x: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+
+        return tuple(jax.tree.map(sds, a, s) for a, s in zip(dyn, self.in_shardings, strict=True))
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """``jax.stages.Lowered`` for ``args`` (default: the arguments lowered with)."""
+        abstract = self._abstract(args)
+        key = ("lower", tuple(jax.tree.leaves(abstract)) if args else ())
+        if key not in self._cache:
+            self._cache[key] = self.jitted.lower(*abstract)
+        return self._cache[key]
+
+    def compile(
+        self, *args: Any, compiler_options: Mapping[str, Any] | None = None
+    ) -> jax.stages.Compiled:
+        """The compiled program (cached per argument shapes and compiler options)."""
+        opts = dict(compiler_options or {})
+        key = (
+            "compile",
+            tuple(jax.tree.leaves(self._abstract(args))) if args else (),
+            tuple(sorted(opts.items())),
+        )
+        if key not in self._cache:
+            lowered = self.lower(*args)
+            self._cache[key] = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+        return self._cache[key]
+
+    def hlo_text(self, *args: Any, stage: str = "compiled") -> str:
+        """HLO text: ``"compiled"`` (final, optimised) or ``"lowered"`` (StableHLO).
+
+        For the collectives XLA emits right after SPMD partitioning use
+        :func:`autopar.verify.dump_spmd_hlo`.
+        """
+        if stage == "lowered":
+            return self.lower(*args).as_text()
+        if stage == "compiled":
+            return self.compile(*args).as_text()
+        raise LowerPlanError(f"stage={stage!r} is unknown; use 'compiled' or 'lowered'.")
+
+    def memory_analysis(self, *args: Any) -> Any:
+        """``compiled.memory_analysis()``, compiled so that CPU scratch is counted."""
+        opts = CPU_MEMORY_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {}
+        return self.compile(*args, compiler_options=opts).memory_analysis()
+
+
+# ------------------------------------------------------------------------------- lowering
+
+
+def _constraint_hook(
+    constraints: Sequence[ActivationConstraint], graph: Any, mesh: Mesh
+) -> tuple[Callable, Callable[[Scope], bool]]:
+    by_point: dict[tuple[Scope, int], list[tuple[int, NamedSharding, ActivationConstraint]]] = {}
+    scopes: set[Scope] = set()
+    for c in constraints:
+        for i in range(1, len(c.scope) + 1):
+            scopes.add(tuple(c.scope[:i]))
+        by_point.setdefault((tuple(c.scope), c.node), []).append(
+            (c.output, NamedSharding(mesh, to_partition_spec(c.spec)), c)
+        )
+
+    def hook(scope: Scope, k: int, outs: list[Any]) -> list[Any]:
+        for out_i, sharding, c in by_point.get((scope, k), ()):
+            if out_i >= len(outs):
+                raise LowerPlanError(
+                    f"activation constraint {c.name or ''} at node {k} (scope {scope}) names "
+                    f"output {out_i}, but the equation has {len(outs)} outputs."
+                )
+            _check_spec(c.spec, outs[out_i].shape, mesh, f"activation node {k} {c.name}")
+            outs[out_i] = jax.lax.with_sharding_constraint(outs[out_i], sharding)
+        return outs
+
+    return hook, scopes.__contains__
+
+
+def _body_lookup(graph: Any) -> Callable[[Scope], Any]:
+    """The tracer's inlined body jaxpr for a scope, when its graph carries one."""
+
+    def body_of(scope: Scope) -> Any:
+        g = graph
+        for node, b in scope:
+            nodes = getattr(g, "nodes", ())
+            if node >= len(nodes) or b >= len(nodes[node].body):
+                return None
+            g = nodes[node].body[b]
+        return getattr(g, "jaxpr", None)
+
+    return body_of
+
+
+def _check_body(scope: Scope, body: Any, default: Any) -> Any:
+    if body is None:
+        return None
+    same = [v.aval for v in body.jaxpr.invars] == [v.aval for v in default.jaxpr.invars]
+    return body if same else None
+
+
+def _gathered(spec: Spec, data_axes: frozenset[str]) -> Spec:
+    """``spec`` without the data-parallel axes (what ZeRO-3 gathers before use)."""
+    out = []
+    for e in spec:
+        axes = () if e is None else ((e,) if isinstance(e, str) else e)
+        keep = tuple(a for a in axes if a not in data_axes)
+        out.append(None if not keep else (keep[0] if len(keep) == 1 else keep))
+    return tuple(out)
+
+
+def data_parallel_axes(plan: Plan) -> frozenset[str]:
+    """Axes that split the batch: those the plan's batch inputs are sharded over
+    (default ``data``/``fsdp``, or every non-model axis, when no input is a batch)."""
+    axes = {a for r in plan.inputs if r.role == "batch" for a in spec_axes(r.spec)}
+    if not axes:
+        axes = {a for a in plan.mesh if a not in _MODEL_AXES}
+    return frozenset(axes)
+
+
+def lower_plan(
+    fn: Callable,
+    plan: Plan,
+    args: Sequence[Any],
+    graph: Any = None,
+    options: LoweringOptions = LoweringOptions(),  # noqa: B008 (frozen, immutable)
+    *,
+    mesh: Mesh | None = None,
+) -> LoweredStep:
+    """Lower ``fn`` under ``plan`` to a sharded ``jax.jit`` program.
+
+    Args:
+        fn: the single-device step, ``fn(*args)``.
+        plan: the plan (its ``inputs``/``outputs`` in ``jax.tree.leaves`` order of the
+            dynamic arguments / results).
+        args: the positional arguments: arrays or ``jax.ShapeDtypeStruct`` (nothing is
+            allocated or run here). Static ones (``options.static_argnums``) are closed over.
+        graph: the traced :class:`~autopar.trace.graph.Graph` of ``fn(*dynamic args)``;
+            needed for ``plan.activations`` (its inlined jaxpr is re-interpreted).
+        options: :class:`LoweringOptions`.
+        mesh: a ready mesh with the plan's axes (default: :func:`make_mesh` of all devices).
+
+    Returns:
+        A :class:`LoweredStep`.
+
+    Raises:
+        LoadPlanError: the plan's leaves do not match ``args`` or the results.
+        LowerPlanError: the plan cannot be realised (mesh size, bad spec, remat, pipeline,
+            activation constraints without a graph).
+
+    Example:
+        >>> plan = autopar.baselines.data_parallel(step, {"data": 8}, state, batch)  # doctest: +SKIP
+        >>> lowered = lower_plan(step, plan, (state, batch))           # doctest: +SKIP
+        >>> state, loss = lowered(state, batch)                        # doctest: +SKIP
+    """
+    args = tuple(args)
+    if plan.pipeline is not None and plan.pipeline.num_stages > 1:
+        raise LowerPlanError(
+            f"the plan has {plan.pipeline.num_stages} pipeline stages; this lowering handles "
+            "SPMD plans only (pipeline_stages=1). Re-plan with SearchOptions(pipeline_stages=1)."
+        )
+    if plan.remat != "none" and options.extra.get("remat") != "in_model":
+        raise LowerPlanError(
+            f"the plan asks for remat={plan.remat!r}, which must be applied inside the model "
+            "(jax.checkpoint has to wrap the layer before jax.grad). Wrap your layers with "
+            f"autopar.lower.remat_policy({plan.remat!r}) and pass "
+            "LoweringOptions(extra={'remat': 'in_model'}), or re-plan with remat='none'."
+        )
+    if mesh is None:
+        mesh = make_mesh(plan.mesh, options.extra.get("devices"))  # type: ignore[arg-type]
+    elif dict(mesh.shape) != dict(plan.mesh) or tuple(mesh.axis_names) != tuple(plan.mesh):
+        raise LowerPlanError(
+            f"mesh {dict(mesh.shape)} does not match the plan's {dict(plan.mesh)}."
+        )
+
+    static = {i: args[i] for i in options.static_argnums if i < len(args)}
+    dyn_pos = [i for i in range(len(args)) if i not in static]
+    dyn = tuple(args[i] for i in dyn_pos)
+
+    def bound(*dyn_args: Any) -> Any:
+        it = iter(dyn_args)
+        return fn(*[static[i] if i in static else next(it) for i in range(len(args))])
+
+    if not static:
+        bound = fn  # noqa: F811 (the user's own function, untouched)
+
+    # Inputs: check against the plan, build shardings.
+    names = arg_names(fn, len(args))
+    dyn_names = [names[i] for i in dyn_pos] if names else None
+    in_leaves, in_tree = jax.tree_util.tree_flatten(dyn)
+    check_leaves(plan.inputs, in_leaves, leaf_paths(dyn, dyn_names), "input")
+    in_flat = _shardings(plan.inputs, mesh, "input")
+    in_tree_shardings = jax.tree_util.tree_unflatten(in_tree, in_flat)
+
+    # Outputs.
+    out_shape = jax.eval_shape(bound, *dyn)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    check_leaves(plan.outputs, out_leaves, leaf_paths((out_shape,), ["out"]), "output")
+    out_shardings = jax.tree_util.tree_unflatten(out_tree, _shardings(plan.outputs, mesh, "output"))
+
+    # The body: the user's function, or the re-interpreted jaxpr with constraints.
+    body: Callable[..., Any] = bound
+    constraints = plan.activations if options.activation_constraints else ()
+    if constraints:
+        if graph is None or getattr(graph, "jaxpr", None) is None:
+            raise LowerPlanError(
+                f"the plan has {len(constraints)} activation constraints, which are placed "
+                "on the traced jaxpr: pass graph=autopar.trace(fn, *args) to lower_plan "
+                "(or LoweringOptions(activation_constraints=False) to drop them)."
+            )
+        body = _interpreted(graph, constraints, mesh, in_tree, out_tree)
+
+    if plan.zero_stage == 3:
+        body = _zero3_gather(body, plan, mesh, in_tree)
+
+    donate = tuple(dyn_pos.index(i) for i in options.donate_argnums if i in dyn_pos)
+    jitted = jax.jit(
+        body,
+        in_shardings=tuple(in_tree_shardings),
+        out_shardings=out_shardings,
+        donate_argnums=donate,
+    )
+
+    def sds(x: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+
+    abstract = tuple(
+        jax.tree.map(sds, a, s) for a, s in zip(dyn, tuple(in_tree_shardings), strict=True)
+    )
+    return LoweredStep(
+        plan=plan,
+        mesh=mesh,
+        jitted=jitted,
+        in_shardings=tuple(in_tree_shardings),
+        out_shardings=out_shardings,
+        options=options,
+        static_args=static,
+        abstract_args=abstract,
+    )
+
+
+def _interpreted(
+    graph: Any, constraints: Sequence[ActivationConstraint], mesh: Mesh, in_tree: Any, out_tree: Any
+) -> Callable[..., Any]:
+    closed = graph.jaxpr
+    n_nodes = len(closed.jaxpr.eqns)
+    for c in constraints:
+        if not c.scope and not 0 <= c.node < n_nodes:
+            raise LowerPlanError(
+                f"activation constraint {c.name!r} names node {c.node}, but the traced jaxpr "
+                f"has {n_nodes} equations; the plan was made for another graph."
+            )
+    hook, wants = _constraint_hook(constraints, graph, mesh)
+    lookup = _body_lookup(graph)
+
+    def body_of(scope: Scope) -> Any:
+        # Only the tracer's body if it has the signature of the equation's own body.
+        parent = closed
+        for node, b in scope[:-1]:
+            parent = body_jaxprs(parent.jaxpr.eqns[node])[b]
+        node, b = scope[-1]
+        default = body_jaxprs(parent.jaxpr.eqns[node])[b]
+        return _check_body(scope, lookup(scope), default)
+
+    def run(*dyn_args: Any) -> Any:
+        flat = jax.tree_util.tree_leaves(dyn_args)
+        outs = evaluate(closed, flat, hook, (), wants_scope=wants, body_of=body_of)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    functools.update_wrapper(run, getattr(graph, "fn", run), updated=())
+    return run
+
+
+def _zero3_gather(
+    body: Callable[..., Any], plan: Plan, mesh: Mesh, in_tree: Any
+) -> Callable[..., Any]:
+    """Constrain sharded parameters to their gathered spec at the step's entry.
+
+    This realises ZeRO-3 / FSDP: parameters and optimizer state stay sharded over the
+    data-parallel axes between steps; inside the step XLA all-gathers each parameter
+    before use and, transposing the constraint, reduce-scatters its gradient to the
+    update's sharding.
+    """
+    data_axes = data_parallel_axes(plan)
+    gathered: list[NamedSharding | None] = []
+    for r in plan.inputs:
+        g = _gathered(r.spec, data_axes)
+        if r.role == "param" and g != r.spec:
+            gathered.append(NamedSharding(mesh, to_partition_spec(g)))
+        else:
+            gathered.append(None)
+    if not any(gathered):
+        return body
+
+    def step(*dyn_args: Any) -> Any:
+        flat = jax.tree_util.tree_leaves(dyn_args)
+        flat = [
+            x if s is None else jax.lax.with_sharding_constraint(x, s)
+            for x, s in zip(flat, gathered, strict=True)
+        ]
+        return body(*jax.tree_util.tree_unflatten(in_tree, flat))
+
+    return step

@@ -1,0 +1,126 @@
+"""The search's view of the cost model: cached calls into ``cost_models`` for one mesh.
+
+Every time the search prices something (a strategy's compute, a collective, a
+resharding) it goes through a :class:`CostContext`, so identical questions (the same
+matmul in 96 identical layers) are answered once.
+
+Example:
+    >>> ctx = CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 2, "tensor": 4})  # doctest: +SKIP
+    >>> ctx.collective("all-reduce", 2**20, ("tensor",))                               # doctest: +SKIP
+    1.9e-05
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from autopar.search.sharding import Collective, MeshShape, Sharding, reshard_plan, shards
+
+ComputeKind = str  # "matmul" | "elementwise" | "reduction" | "other"
+
+
+def itemsize(dtype: str) -> int:
+    if dtype in ("bool", "float0"):
+        return 1
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return 4  # PRNG key types and other extended dtypes: treat as 32-bit words
+
+
+class CostContext:
+    """Prices on one mesh of one cluster, memoised.
+
+    Args:
+        cluster: a ``cost_models.Cluster``.
+        mesh: ordered axis -> size.
+    """
+
+    def __init__(self, cluster: Any, mesh: Mapping[str, int]) -> None:
+        import cost_models
+
+        self._cm = cost_models
+        self.cluster = cluster
+        self.mesh = MeshShape.from_mapping(mesh)
+        self.mesh_dict = self.mesh.as_dict()
+        self.device = cluster.device
+        self._coll: dict[tuple, float] = {}
+        self._comp: dict[tuple, float] = {}
+        self._reshard: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
+
+    # -- primitives -------------------------------------------------------------------
+    def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> Collective:
+        axes = self.mesh.order(axes)
+        key = (kind, float(nbytes), axes)
+        t = self._coll.get(key)
+        if t is None:
+            if not axes or self.mesh.prod(axes) == 1 or nbytes <= 0:
+                t = 0.0
+            else:
+                t = float(
+                    self._cm.collective_time(
+                        kind, float(nbytes), self.cluster, self.mesh_dict, axes
+                    )
+                )
+            self._coll[key] = t
+        return Collective(kind, axes, float(nbytes), t)
+
+    def compute(
+        self, flops: float, nbytes: float, dtype: str = "bfloat16", kind: ComputeKind = "other"
+    ) -> float:
+        key = (float(flops), float(nbytes), dtype, kind)
+        t = self._comp.get(key)
+        if t is None:
+            if flops <= 0 and nbytes <= 0:
+                t = 0.0
+            else:
+                t = float(
+                    self._cm.compute_time(
+                        float(flops),
+                        float(nbytes),
+                        self.device,
+                        dtype=_flop_dtype(dtype),
+                        kind=kind,
+                    )
+                )
+            self._comp[key] = t
+        return t
+
+    # -- resharding -------------------------------------------------------------------
+    def reshard(
+        self, shape: Sequence[int], dtype: str, src: Sharding, dst: Sharding
+    ) -> tuple[float, tuple[Collective, ...]]:
+        """Time and collectives to turn a tensor laid out as ``src`` into ``dst``.
+
+        All-to-alls move axes between dims first (on the per-device buffer), then the axes
+        that leave are all-gathered together (``nbytes`` = the gathered buffer); axes that
+        newly appear are free local slices.
+        """
+        if src == dst:
+            return 0.0, ()
+        key = (tuple(shape), dtype, src, dst)
+        hit = self._reshard.get(key)
+        if hit is not None:
+            return hit
+        a2a, gather = reshard_plan(shape, src, dst, self.mesh)
+        total = math.prod(shape) * itemsize(dtype)
+        per_device = total / shards(src, self.mesh)
+        colls: list[Collective] = []
+        if a2a:
+            colls.append(self.collective("all-to-all", per_device, a2a))
+        if gather:
+            colls.append(self.collective("all-gather", per_device * self.mesh.prod(gather), gather))
+        out = (sum(c.time_s for c in colls), tuple(colls))
+        self._reshard[key] = out
+        return out
+
+
+def _flop_dtype(dtype: str) -> str:
+    # Integer and boolean ops run on the vector units; price them like float32.
+    if dtype in ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"):
+        return dtype
+    return "float32"

@@ -1,0 +1,906 @@
+"""Graph -> :class:`ShardingProblem`: flatten, coarsen, price, and account for memory.
+
+Steps (one :class:`ProblemBuilder` per graph and mesh):
+
+1. **Flatten.** Every equation becomes an *op*; so does every graph input (``input``),
+   every value entering a scan body (``body_input``: the slice of an ``xs`` operand, a
+   loop constant, or a carry, whose second operand is the body's carry-out, the loop's
+   back edge), every activation constraint a plan pins (``constraint``) and every output
+   that must come back in its input's layout (``output``: a parameter's new value). Scan
+   bodies are flattened once with their costs weighted by the trip count: the body is
+   solved once for all iterations. Values read across a scan boundary carry a rank
+   ``delta`` (a stacked ``ys`` seen outside has one more, unsharded, leading dim).
+2. **Coarsen.** An op that can take its layout from one operand (elementwise, reshape,
+   transpose, broadcast, reduction, slicing, ...; see ``strategies.FOLLOWABLE``) joins
+   the *group* of that operand's producer and gets no choice of its own. Groups are the
+   ILP's nodes; their leaders are matmuls, convolutions, gathers, scatters, inputs,
+   scan-body inputs and pinned constraints. Identical unrolled layers
+   (``Layer.signature``) are tied by alias groups, so the solver decides one layer.
+3. **Price.** A group's strategy = its leader's strategy plus what each follower does
+   with the layout it receives: cost = sum of (compute + collectives) x trip count, plus
+   resharding between ops inside the group. Reads across groups become edges with a
+   resharding cost per (producer layout, consumer layout) class pair.
+4. **Memory.** Inputs are live throughout (outputs that replace an input reuse its
+   buffer, i.e. the step donates its state); every other value from its producer to its
+   last consumer; inside a scan the body's largest live set rides on top. A few peak
+   moments of the replicated profile become linear constraints; :meth:`BuiltProblem.peak`
+   checks every moment exactly and the planner adds any moment that breaks the bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.search.costs import CostContext
+from autopar.search.problem import MemoryConstraint, ProblemEdge, ProblemNode, ShardingProblem
+from autopar.search.sharding import (
+    Collective,
+    Sharding,
+    enumerate_shardings,
+    format_sharding,
+    shards,
+)
+from autopar.search.strategies import (
+    FOLLOWABLE,
+    OpStrategy,
+    can_follow,
+    enumerate_strategies,
+    follow_strategy,
+)
+from autopar.trace.graph import Graph, GraphInput, Node, TensorInfo
+
+Scope = tuple[tuple[int, int], ...]
+
+_ROLE_CATEGORY = {
+    "param": "params",
+    "opt_state": "optimizer",
+    "model_state": "model_state",
+    "batch": "inputs",
+    "other": "inputs",
+}
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a value comes from: op ``op``'s result ``port``, seen with ``delta`` extra
+    (unsharded) leading dims."""
+
+    op: int
+    port: int
+    delta: int = 0
+
+
+@dataclass
+class Op:
+    index: int
+    kind: str  # node | input | body_input | constraint | output
+    node: Node
+    scope: Scope
+    weight: float
+    operands: list[Ref | None]
+    name: str
+    phase: str = "other"
+    input: GraphInput | None = None  # input op / output sink: the graph input
+    root_role: str | None = None  # body_input: role of the graph input it reads, if any
+    depends: bool = True  # depends on some graph input (else: a constant)
+
+
+@dataclass
+class Group:
+    index: int
+    ops: list[int]
+    follow: dict[int, int] = field(default_factory=dict)  # follower op -> main operand
+    strategies: list[list[OpStrategy]] = field(default_factory=list)  # [s][position]
+    costs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EdgeRef:
+    """A read across groups: op ``op`` operand ``operand`` reads ``ref``."""
+
+    op: int
+    operand: int
+    ref: Ref
+    problem_edge: int
+
+
+@dataclass(frozen=True)
+class MemValue:
+    """One value the memory model tracks."""
+
+    ref: Ref | None
+    tensor: TensorInfo
+    category: str
+    name: str
+
+
+@dataclass
+class Timeline:
+    """Live values over one graph's program order, as events per moment: values born,
+    values whose last use it is, and a scan body's transient peak set riding on top."""
+
+    born: list[list[MemValue]]
+    dies: list[list[MemValue]]
+    extra: list[list[MemValue]]
+
+    def __len__(self) -> int:
+        return len(self.born)
+
+    def live_at(self, t: int) -> list[MemValue]:
+        live: dict[int, MemValue] = {}
+        for i in range(t + 1):
+            for mv in self.born[i]:
+                live[id(mv)] = mv
+            if i < t:
+                for mv in self.dies[i]:
+                    live.pop(id(mv), None)
+        return list(live.values()) + self.extra[t]
+
+    def totals(self, size) -> list[float]:
+        """``sum(size(v))`` over the live values at every moment."""
+        out = []
+        running = 0.0
+        for i in range(len(self.born)):
+            running += sum(size(v) for v in self.born[i])
+            out.append(running + sum(size(v) for v in self.extra[i]))
+            running -= sum(size(v) for v in self.dies[i])
+        return out
+
+    def peak_set(self) -> list[MemValue]:
+        if not self.born:
+            return []
+        totals = self.totals(lambda v: v.tensor.nbytes)
+        return self.live_at(max(range(len(totals)), key=totals.__getitem__))
+
+
+def _pad(spec: Sharding, delta: int) -> Sharding:
+    return ((),) * delta + spec if delta else spec
+
+
+def _synthetic(
+    primitive: str, ins: Sequence[TensorInfo], outs: Sequence[TensorInfo], **params: Any
+) -> Node:
+    return Node(-1, primitive, (), (), tuple(ins), tuple(outs), params)
+
+
+def _struct_key(node: Node) -> tuple:
+    params = tuple(
+        (k, repr(v)) for k, v in sorted(node.params.items()) if "jaxpr" not in k and k != "body"
+    )
+    return (node.primitive, node.in_tensors, node.out_tensors, node.flops, params)
+
+
+def match_optimizer_state(graph: Graph) -> dict[int, list[int]]:
+    """Optimizer-state inputs of each parameter input, by path suffix and shape.
+
+    A leaf ``opt_state/adam/0/mu/h_0/attn/q/kernel`` belongs to the parameter
+    ``params/h_0/attn/q/kernel``: the path after the parameter tree's root is a suffix of
+    the state's path and the shapes agree.
+
+    Returns:
+        parameter input index -> indices of its optimizer-state inputs.
+    """
+    params = graph.inputs_by_role("param")
+    states = graph.inputs_by_role("opt_state")
+    out: dict[int, list[int]] = {p.index: [] for p in params}
+    rels = {}
+    for p in params:
+        parts = p.path.split("/")
+        rel = "/".join(parts[parts.index("params") + 1 :]) if "params" in parts else p.path
+        rels[p.index] = rel
+    for o in states:
+        best, best_len = None, -1
+        for p in params:
+            rel = rels[p.index]
+            if p.tensor.shape == o.tensor.shape and (o.path == rel or o.path.endswith("/" + rel)):
+                if len(rel) > best_len:
+                    best, best_len = p.index, len(rel)
+        if best is not None:
+            out[best].append(o.index)
+    return out
+
+
+@dataclass
+class BuiltProblem:
+    """A graph's sharding problem on one mesh plus what is needed to read a solution."""
+
+    graph: Graph
+    ctx: CostContext
+    ops: list[Op]
+    groups: list[Group]
+    op_group: dict[int, tuple[int, int]]  # op -> (group, position)
+    edges: list[EdgeRef]
+    problem: ShardingProblem
+    input_ops: dict[int, int]  # graph input index -> op
+    output_refs: dict[int, Ref | None]  # graph output index -> where it comes from
+    persistent: list[MemValue]
+    timeline: Timeline  # live (non-persistent) values over the top-level program order
+    moments: list[int]  # the moments the problem's memory constraints describe
+    param_shapes: frozenset[tuple[int, ...]]
+    unsupported: tuple[str, ...] = ()
+    coarse_stats: dict[str, int] = field(default_factory=dict)
+
+    # -- reading a choice -------------------------------------------------------------
+    def strategy(self, op: int, choice: Sequence[int]) -> OpStrategy:
+        g, pos = self.op_group[op]
+        return self.groups[g].strategies[choice[g]][pos]
+
+    def spec(self, ref: Ref, choice: Sequence[int]) -> Sharding:
+        return _pad(self.strategy(ref.op, choice).outs[ref.port], ref.delta)
+
+    def value_bytes(self, v: MemValue, choice: Sequence[int]) -> float:
+        if v.ref is None:
+            return float(v.tensor.nbytes)
+        return v.tensor.nbytes / shards(self.spec(v.ref, choice), self.ctx.mesh)
+
+    def peak(self, choice: Sequence[int]) -> tuple[float, int, dict[str, float]]:
+        """Exact peak bytes per device over every moment: (bytes, moment, breakdown)."""
+        cache: dict[int, float] = {}
+
+        def size(v: MemValue) -> float:
+            b = cache.get(id(v))
+            if b is None:
+                b = cache[id(v)] = self.value_bytes(v, choice)
+            return b
+
+        base: dict[str, float] = {}
+        for v in self.persistent:
+            base[v.category] = base.get(v.category, 0.0) + size(v)
+        totals = self.timeline.totals(size)
+        if not totals:
+            return sum(base.values()), 0, base
+        t = max(range(len(totals)), key=totals.__getitem__)
+        bd = dict(base)
+        for v in self.timeline.live_at(t):
+            bd[v.category] = bd.get(v.category, 0.0) + size(v)
+        return sum(base.values()) + totals[t], t, bd
+
+    def memory_constraint(self, moment: int) -> MemoryConstraint:
+        """The linear memory constraint of one moment (persistent + live values)."""
+        return _constraint(self, moment)
+
+    def with_moments(self, moments: Sequence[int]) -> BuiltProblem:
+        """The same problem with memory constraints at ``moments`` (added lazily)."""
+        cons = tuple(_constraint(self, t) for t in moments)
+        p = self.problem
+        problem = ShardingProblem(p.nodes, p.edges, cons, p.memory_limit, p.aliases, p.meta)
+        out = BuiltProblem(**{**self.__dict__, "problem": problem, "moments": list(moments)})
+        return out
+
+
+def _constraint(bp: BuiltProblem, moment: int) -> MemoryConstraint:
+    constant = 0.0
+    terms: dict[int, list[float]] = {}
+    values = list(bp.persistent) + (bp.timeline.live_at(moment) if len(bp.timeline) else [])
+    for v in values:
+        if v.ref is None:
+            constant += v.tensor.nbytes
+            continue
+        g, pos = bp.op_group[v.ref.op]
+        group = bp.groups[g]
+        vec = terms.setdefault(g, [0.0] * len(group.strategies))
+        for s, strats in enumerate(group.strategies):
+            spec = _pad(strats[pos].outs[v.ref.port], v.ref.delta)
+            vec[s] += v.tensor.nbytes / shards(spec, bp.ctx.mesh)
+    # A term equal for every strategy is a constant.
+    out_terms = []
+    for g, vec in sorted(terms.items()):
+        lo = min(vec)
+        constant += lo
+        if max(vec) - lo > 0:
+            out_terms.append((g, tuple(b - lo for b in vec)))
+    return MemoryConstraint(f"moment {moment}", constant, tuple(out_terms))
+
+
+class ProblemBuilder:
+    """Builds the :class:`BuiltProblem` of one graph on one mesh.
+
+    Args:
+        graph: the traced step.
+        ctx: prices on the mesh.
+        fixed_inputs: graph input index -> the only sharding it may take.
+        constraints: ``(scope, node id, output)`` -> pinned sharding of that value.
+        input_axes: graph input index -> the axes its sharding may use.
+        tie_optimizer_state: a parameter and its optimizer state take one sharding.
+        coarsen: merge followers into groups and tie identical layers.
+        memory_limit: bytes per device for the problem's constraints.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        ctx: CostContext,
+        *,
+        fixed_inputs: Mapping[int, Sharding] | None = None,
+        constraints: Mapping[tuple[Scope, int, int], Sharding] | None = None,
+        input_axes: Mapping[int, Sequence[str]] | None = None,
+        tie_optimizer_state: bool = True,
+        coarsen: bool = True,
+        memory_limit: float | None = None,
+        num_moments: int = 4,
+    ) -> None:
+        self.graph = graph
+        self.ctx = ctx
+        self.fixed_inputs = dict(fixed_inputs or {})
+        self.constraints = dict(constraints or {})
+        self.input_axes = dict(input_axes or {})
+        self.tie = tie_optimizer_state
+        self.coarsen = coarsen
+        self.memory_limit = memory_limit
+        self.num_moments = num_moments
+        self.ops: list[Op] = []
+        self.envs: dict[Scope, dict[int, Ref]] = {}
+        self.input_ops: dict[int, int] = {}
+        self.output_refs: dict[int, Ref | None] = {}
+        self.unsupported: set[str] = set()
+        self._enum_cache: dict[tuple, list[OpStrategy]] = {}
+        self._follow_cache: dict[tuple, OpStrategy] = {}
+        self._keys: dict[int, tuple] = {}
+        self._layer_of_op: dict[int, tuple[int, int]] = {}
+
+    # -- 1. flatten -----------------------------------------------------------------------
+    def _new_op(
+        self, kind: str, node: Node, scope: Scope, weight: float, operands, name: str, **kw
+    ) -> Op:
+        op = Op(len(self.ops), kind, node, scope, weight, list(operands), name, **kw)
+        self.ops.append(op)
+        return op
+
+    def _flatten(self) -> None:
+        g = self.graph
+        env: dict[int, Ref] = {}
+        for gi in g.inputs:
+            syn = _synthetic("input", (), (gi.tensor,))
+            op = self._new_op("input", syn, (), 1.0, [], gi.path, input=gi, root_role=gi.role)
+            env[gi.value] = Ref(op.index, 0)
+            self.input_ops[gi.index] = op.index
+        self._walk(g, (), 1.0, env)
+        self.envs[()] = env
+        aliased = {gi.output_index: gi for gi in g.inputs if gi.output_index is not None}
+        for go in g.outputs:
+            ref = env.get(go.value)
+            self.output_refs[go.index] = ref
+            gi = aliased.get(go.index)
+            if gi is not None and ref is not None:
+                syn = _synthetic("output", (go.tensor,), ())
+                self._new_op("output", syn, (), 1.0, [ref], go.path, input=gi)
+
+    def _walk(self, graph: Graph, scope: Scope, weight: float, env: dict[int, Ref]) -> None:
+        for node in graph.nodes:
+            if node.primitive == "scan" and self._scan_ok(node):
+                self._scan(node, scope, weight, env)
+                continue
+            operands = [env.get(v) if v >= 0 else None for v in node.inputs]
+            depends = any(r is not None and self.ops[r.op].depends for r in operands)
+            op = self._new_op(
+                "node",
+                node,
+                scope,
+                weight,
+                operands,
+                node.name_stack or node.primitive,
+                phase=node.phase,
+                depends=depends,
+            )
+            if node.layer is not None and not scope:
+                self._layer_of_op[op.index] = (node.layer, node.id)
+            if node.primitive not in FOLLOWABLE and node.primitive not in _KNOWN:
+                self.unsupported.add(node.primitive)
+            for port, v in enumerate(node.outputs):
+                env[v] = self._constrain(
+                    Ref(op.index, port), scope, node.id, port, node.out_tensors[port], weight, op
+                )
+
+    def _constrain(
+        self,
+        ref: Ref,
+        scope: Scope,
+        node_id: int,
+        port: int,
+        tensor: TensorInfo,
+        weight: float,
+        src: Op,
+    ) -> Ref:
+        spec = self.constraints.get((scope, node_id, port))
+        if spec is None:
+            return ref
+        syn = _synthetic("constraint", (tensor,), (tensor,), spec=spec)
+        c = self._new_op(
+            "constraint",
+            syn,
+            scope,
+            weight,
+            [ref],
+            f"{src.name}:constraint",
+            phase=src.phase,
+            depends=src.depends,
+        )
+        return Ref(c.index, 0)
+
+    @staticmethod
+    def _scan_ok(node: Node) -> bool:
+        if not node.body:
+            return False
+        body = node.body[0]
+        p = node.params
+        return (
+            "num_consts" in p
+            and "num_carry" in p
+            and len(body.inputs) == len(node.inputs)
+            and len(body.outputs) == len(node.outputs)
+        )
+
+    def _scan(self, node: Node, scope: Scope, weight: float, env: dict[int, Ref]) -> None:
+        body = node.body[0]
+        length = int(node.params.get("length") or node.length or 1)
+        nc, ncar = int(node.params["num_consts"]), int(node.params["num_carry"])
+        bscope = scope + ((node.id, 0),)
+        bweight = weight * length
+        benv: dict[int, Ref] = {}
+        carry_ops: list[Op] = []
+        for i, bi in enumerate(sorted(body.inputs, key=lambda x: x.index)):
+            v = node.inputs[i]
+            outer = env.get(v) if v >= 0 else None
+            lead = 1 if i >= nc + ncar else 0
+            ins = [node.in_tensors[i]]
+            operands: list[Ref | None] = [outer]
+            if nc <= i < nc + ncar:
+                ins.append(bi.tensor)
+                operands.append(None)  # the carry-out, filled once the body is walked
+            syn = _synthetic("body_input", ins, (bi.tensor,), lead=lead)
+            root = self.ops[outer.op] if outer is not None else None
+            op = self._new_op(
+                "body_input",
+                syn,
+                bscope,
+                bweight,
+                operands,
+                f"{node.name_stack or 'scan'}[in {i}]",
+                phase=node.phase,
+                root_role=root.root_role if root is not None else None,
+                depends=root.depends if root is not None else False,
+            )
+            if nc <= i < nc + ncar:
+                carry_ops.append(op)
+            benv[bi.value] = Ref(op.index, 0)
+        self._walk(body, bscope, bweight, benv)
+        self.envs[bscope] = benv
+        for j, bo in enumerate(sorted(body.outputs, key=lambda x: x.index)):
+            r = benv.get(bo.value)
+            if j < ncar:
+                carry_ops[j].operands[1] = r
+            if r is None:
+                continue
+            ref = Ref(r.op, r.port, r.delta + (0 if j < ncar else 1))
+            env[node.outputs[j]] = self._constrain(
+                ref, scope, node.id, j, node.out_tensors[j], weight, self.ops[r.op]
+            )
+
+    # -- 2. coarsen ---------------------------------------------------------------------
+    def _weak(self, ref: Ref) -> bool:
+        op = self.ops[ref.op]
+        if not op.depends:
+            return True
+        return op.kind == "node" and op.node.primitive in ("broadcast_in_dim", "iota")
+
+    def _main_operand(self, op: Op) -> int | None:
+        if not self.coarsen or op.kind != "node" or op.node.primitive not in FOLLOWABLE:
+            return None
+        best, best_key = None, None
+        for k, ref in enumerate(op.operands):
+            if ref is None or ref.delta != 0 or self.ops[ref.op].scope != op.scope:
+                continue
+            t = op.node.in_tensors[k]
+            if t.ndim == 0 or not can_follow(op.node, k):
+                continue
+            key = (not self._weak(ref), t.ndim, t.dtype != "bool", -k)
+            if best_key is None or key > best_key:
+                best, best_key = k, key
+        return best
+
+    def _group(self) -> tuple[list[Group], dict[int, tuple[int, int]]]:
+        groups: list[Group] = []
+        where: dict[int, tuple[int, int]] = {}
+        for op in self.ops:
+            main = self._main_operand(op)
+            if main is not None:
+                gi, _ = where[op.operands[main].op]
+                g = groups[gi]
+                g.follow[op.index] = main
+                where[op.index] = (gi, len(g.ops))
+                g.ops.append(op.index)
+            else:
+                where[op.index] = (len(groups), 0)
+                groups.append(Group(len(groups), [op.index]))
+        return groups, where
+
+    # -- 3. strategies --------------------------------------------------------------------
+    def _key(self, op: Op) -> tuple:
+        k = self._keys.get(op.index)
+        if k is None:
+            k = self._keys[op.index] = _struct_key(op.node)
+        return k
+
+    def _input_specs(self, gi: GraphInput) -> list[Sharding]:
+        fixed = self.fixed_inputs.get(gi.index)
+        if fixed is not None:
+            return [fixed]
+        axes = self.input_axes.get(gi.index)
+        return enumerate_shardings(gi.tensor.shape, self.ctx.mesh, axes)
+
+    def _leader_strategies(self, op: Op) -> list[OpStrategy]:
+        if op.kind == "node":
+            key = self._key(op)
+            hit = self._enum_cache.get(key)
+            if hit is None:
+                hit = self._enum_cache[key] = enumerate_strategies(op.node, self.ctx)
+            return hit
+        if op.kind == "input":
+            return [
+                OpStrategy(format_sharding(s), (), (s,), 0.0) for s in self._input_specs(op.input)
+            ]
+        if op.kind == "output":
+            return [
+                OpStrategy(format_sharding(s), (s,), (), 0.0) for s in self._input_specs(op.input)
+            ]
+        if op.kind == "constraint":
+            s = op.node.params["spec"]
+            return [OpStrategy("pinned " + format_sharding(s), (s,), (s,), 0.0)]
+        if op.kind == "body_input":
+            lead = op.node.params["lead"]
+            carry = len(op.node.in_tensors) == 2
+            out = []
+            for s in enumerate_shardings(op.node.out_tensors[0].shape, self.ctx.mesh):
+                ins = (_pad(s, lead), s) if carry else (_pad(s, lead),)
+                out.append(OpStrategy(format_sharding(s), ins, (s,), 0.0))
+            return out
+        raise AssertionError(op.kind)
+
+    def _follow(self, op: Op, k: int, spec: Sharding) -> OpStrategy:
+        key = (self._key(op), k, spec)
+        hit = self._follow_cache.get(key)
+        if hit is None:
+            hit = self._follow_cache[key] = follow_strategy(op.node, k, spec, self.ctx)
+        return hit
+
+    def _price_groups(self, groups: list[Group], where: dict[int, tuple[int, int]]) -> None:
+        for g in groups:
+            leader = self.ops[g.ops[0]]
+            for lead in self._leader_strategies(leader):
+                ports: dict[tuple[int, int], Sharding] = {}
+                strats: list[OpStrategy] = []
+                cost = 0.0
+                for pos, oi in enumerate(g.ops):
+                    op = self.ops[oi]
+                    if pos == 0:
+                        st = lead
+                    else:
+                        k = g.follow[oi]
+                        ref = op.operands[k]
+                        st = self._follow(op, k, _pad(ports[(ref.op, ref.port)], ref.delta))
+                    strats.append(st)
+                    cost += op.weight * st.cost_s
+                    for p, o in enumerate(st.outs):
+                        ports[(oi, p)] = o
+                # Reads inside the group: free when layouts agree, else a resharding.
+                for pos, oi in enumerate(g.ops):
+                    op = self.ops[oi]
+                    for k, ref in enumerate(op.operands):
+                        if ref is None or where[ref.op][0] != g.index:
+                            continue
+                        need = strats[pos].ins[k] if k < len(strats[pos].ins) else None
+                        if need is None:
+                            continue
+                        have = _pad(ports[(ref.op, ref.port)], ref.delta)
+                        if have != need:
+                            t = op.node.in_tensors[k]
+                            w = min(op.weight, self.ops[ref.op].weight)
+                            cost += w * self.ctx.reshard(t.shape, t.dtype, have, need)[0]
+                g.strategies.append(strats)
+                g.costs.append(cost)
+
+    # -- edges --------------------------------------------------------------------------
+    def _edges(
+        self, groups: list[Group], where: dict[int, tuple[int, int]]
+    ) -> tuple[list[ProblemEdge], list[EdgeRef]]:
+        edges: list[ProblemEdge] = []
+        refs: list[EdgeRef] = []
+        for op in self.ops:
+            gc, pc = where[op.index]
+            cons = groups[gc]
+            for k, ref in enumerate(op.operands):
+                if ref is None:
+                    continue
+                gp, pp = where[ref.op]
+                if gp == gc:
+                    continue
+                prod = groups[gp]
+                need = [s[pc].ins[k] if k < len(s[pc].ins) else None for s in cons.strategies]
+                if all(n is None for n in need):
+                    continue
+                have = [_pad(s[pp].outs[ref.port], ref.delta) for s in prod.strategies]
+                src_idx: dict[Sharding, int] = {}
+                dst_idx: dict[Sharding | None, int] = {}
+                src_cls = [src_idx.setdefault(h, len(src_idx)) for h in have]
+                dst_cls = [dst_idx.setdefault(n, len(dst_idx)) for n in need]
+                t = op.node.in_tensors[k]
+                w = min(op.weight, self.ops[ref.op].weight)
+                mat = []
+                for h in src_idx:
+                    row = []
+                    for n in dst_idx:
+                        row.append(
+                            0.0 if n is None else w * self.ctx.reshard(t.shape, t.dtype, h, n)[0]
+                        )
+                    mat.append(tuple(row))
+                refs.append(EdgeRef(op.index, k, ref, len(edges)))
+                edges.append(
+                    ProblemEdge(
+                        gp,
+                        gc,
+                        tuple(src_cls),
+                        tuple(dst_cls),
+                        tuple(mat),
+                        f"{self.ops[ref.op].name} -> {op.name}",
+                    )
+                )
+        return edges, refs
+
+    # -- aliases ------------------------------------------------------------------------
+    def _aliases(self, where: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
+        g = self.graph
+        sets: dict[int, set[int]] = {}  # input index -> group set (one per alias family)
+        family: dict[int, int] = {gi.index: gi.index for gi in g.inputs}
+        if self.tie:
+            for p, states in match_optimizer_state(g).items():
+                for s in states:
+                    if self.fixed_inputs.get(s) == self.fixed_inputs.get(p) or (
+                        s not in self.fixed_inputs and p not in self.fixed_inputs
+                    ):
+                        family[s] = p
+        for gi in g.inputs:
+            sets.setdefault(family[gi.index], set()).add(where[self.input_ops[gi.index]][0])
+        for op in self.ops:
+            if op.kind == "output":
+                sets.setdefault(family[op.input.index], set()).add(where[op.index][0])
+        out = [tuple(sorted(s)) for s in sets.values() if len(s) > 1]
+        return out
+
+    def _layer_ties(
+        self, groups: list[Group], where: dict[int, tuple[int, int]]
+    ) -> list[tuple[int, ...]]:
+        """Alias the groups of structurally identical unrolled layers to one representative."""
+        if not self.coarsen or not self.graph.layers:
+            return []
+        by_sig: dict[str, list] = {}
+        for layer in self.graph.layers:
+            if layer.signature and layer.kind != "scan":
+                by_sig.setdefault(layer.signature, []).append(layer)
+        node_op = {nid: oi for oi, (_, nid) in self._layer_of_op.items()}
+        ties: list[tuple[int, ...]] = []
+        for layers in by_sig.values():
+            if len(layers) < 2:
+                continue
+            rep = layers[0]
+            for other in layers[1:]:
+                if len(other.nodes) != len(rep.nodes):
+                    continue
+                for a, b in zip(rep.nodes, other.nodes, strict=True):
+                    oa, ob = node_op.get(a), node_op.get(b)
+                    if oa is None or ob is None:
+                        continue
+                    ga, pa = where[oa]
+                    gb, pb = where[ob]
+                    if pa != 0 or pb != 0 or ga == gb:
+                        continue  # tie leaders only; followers come along
+                    if self._key(self.ops[oa]) != self._key(self.ops[ob]):
+                        continue
+                    if len(groups[ga].strategies) == len(groups[gb].strategies):
+                        ties.append((ga, gb))
+                    # Tie the inputs each leader reads directly (the layer's parameters).
+                    for ra, rb in zip(self.ops[oa].operands, self.ops[ob].operands, strict=True):
+                        if ra is None or rb is None:
+                            continue
+                        ia, ib = self.ops[ra.op], self.ops[rb.op]
+                        if ia.kind == "input" and ib.kind == "input":
+                            gia, gib = where[ia.index][0], where[ib.index][0]
+                            if gia != gib and len(groups[gia].strategies) == len(
+                                groups[gib].strategies
+                            ):
+                                ties.append((gia, gib))
+        return ties
+
+    # -- 4. memory --------------------------------------------------------------------------
+    def _memory(self) -> tuple[list[MemValue], Timeline]:
+        g = self.graph
+        persistent = []
+        for gi in g.inputs:
+            ref = Ref(self.input_ops[gi.index], 0)
+            persistent.append(MemValue(ref, gi.tensor, _ROLE_CATEGORY[gi.role], gi.path))
+        donated = {
+            g.outputs[gi.output_index].value
+            for gi in g.inputs
+            if gi.output_index is not None and gi.output_index < len(g.outputs)
+        }
+        inputs = {gi.value for gi in g.inputs}
+        return persistent, self._liveness(g, (), skip=donated | inputs)
+
+    def _liveness(self, graph: Graph, scope: Scope, *, skip: set[int]) -> Timeline:
+        env = self.envs.get(scope, {})
+        n = len(graph.nodes)
+        pos = {node.id: i for i, node in enumerate(graph.nodes)}
+        out_values = {o.value for o in graph.outputs}
+        born: list[list[MemValue]] = [[] for _ in range(n)]
+        dies: list[list[MemValue]] = [[] for _ in range(n)]
+        extra: list[list[MemValue]] = [[] for _ in range(n)]
+        for i, node in enumerate(graph.nodes):
+            for port, v in enumerate(node.outputs):
+                if v in skip:
+                    continue
+                users = [c for c in graph.consumers.get(v, ()) if c in pos]
+                end = n - 1 if v in out_values else max((pos[c] for c in users), default=i)
+                phases = {graph.nodes[pos[c]].phase for c in users}
+                cat = (
+                    "grads" if node.phase == "backward" and "optimizer" in phases else "activations"
+                )
+                mv = MemValue(env.get(v), node.out_tensors[port], cat, f"{node.name_stack}:{port}")
+                born[i].append(mv)
+                dies[end].append(mv)
+            if node.primitive == "scan" and self._scan_ok(node):
+                body = node.body[0]
+                inner = self._liveness(
+                    body, scope + ((node.id, 0),), skip={b.value for b in body.inputs}
+                )
+                extra[i] = inner.peak_set()
+        return Timeline(born, dies, extra)
+
+    # -- build --------------------------------------------------------------------------
+    def build(self) -> BuiltProblem:
+        self._flatten()
+        groups, where = self._group()
+        for op in self.ops:  # what a scan-body input reads, traced back to a graph input
+            if op.kind == "body_input" and op.operands[0] is not None:
+                leader = self.ops[groups[where[op.operands[0].op][0]].ops[0]]
+                op.root_role = leader.root_role
+        self._price_groups(groups, where)
+        edges, edge_refs = self._edges(groups, where)
+        aliases = self._aliases(where) + self._layer_ties(groups, where)
+        aliases = _merge_sets(aliases)
+        persistent, timeline = self._memory()
+        nodes = tuple(
+            ProblemNode(
+                self.ops[g.ops[0]].name or self.ops[g.ops[0]].node.primitive,
+                tuple(g.costs),
+                tuple(s[0].name for s in g.strategies),
+            )
+            for g in groups
+        )
+        param_shapes = set()
+        for gi in self.graph.inputs_by_role("param"):
+            param_shapes.add(gi.tensor.shape)
+            param_shapes.add(gi.tensor.shape[1:])
+        problem = ShardingProblem(
+            nodes,
+            tuple(edges),
+            (),
+            self.memory_limit,
+            tuple(aliases),
+            {"mesh": self.ctx.mesh_dict},
+        )
+        stats = {
+            "ops": len(self.ops),
+            "graph_nodes": _count_nodes(self.graph),
+            "groups": len(groups),
+        }
+        bp = BuiltProblem(
+            self.graph,
+            self.ctx,
+            self.ops,
+            groups,
+            where,
+            edge_refs,
+            problem,
+            self.input_ops,
+            self.output_refs,
+            persistent,
+            timeline,
+            [],
+            frozenset(param_shapes),
+            tuple(sorted(self.unsupported)),
+            stats,
+        )
+        return bp.with_moments(_pick_moments(timeline, self.num_moments))
+
+
+_KNOWN = frozenset(
+    [
+        "dot_general",
+        "conv_general_dilated",
+        "gather",
+        "iota",
+        "scan",
+        "scatter-add",
+        "scatter_add",
+        "scatter",
+        "scatter-mul",
+        "scatter_mul",
+    ]
+)
+
+
+def _count_nodes(graph: Graph) -> int:
+    total = 0
+    for n in graph.nodes:
+        total += 1
+        for b in n.body:
+            total += _count_nodes(b)
+    return total
+
+
+def _merge_sets(sets: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    parent: dict[int, int] = {}
+
+    def find(a: int) -> int:
+        parent.setdefault(a, a)
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for s in sets:
+        for x in s[1:]:
+            ra, rb = find(s[0]), find(x)
+            if ra != rb:
+                parent[max(ra, rb)] = min(ra, rb)
+    out: dict[int, list[int]] = {}
+    for x in parent:
+        out.setdefault(find(x), []).append(x)
+    return [tuple(sorted(v)) for v in out.values() if len(v) > 1]
+
+
+def _pick_moments(timeline: Timeline, k: int) -> list[int]:
+    """The ``k`` largest moments of the replicated profile, spread apart."""
+    if not len(timeline):
+        return []
+    totals = timeline.totals(lambda v: v.tensor.nbytes)
+    gap = max(1, len(totals) // 20)
+    picked: list[int] = []
+    for i in sorted(range(len(totals)), key=lambda i: -totals[i]):
+        if all(abs(i - j) >= gap for j in picked):
+            picked.append(i)
+        if len(picked) >= k:
+            break
+    return sorted(picked)
+
+
+def collective_class(
+    bp: BuiltProblem,
+    coll: Collective,
+    *,
+    op: Op,
+    source: Op | None,
+    rename: Mapping[str, str],
+) -> str:
+    """Which ``compose_step_time`` class a collective belongs to.
+
+    Partial sums of a backward op whose result has a parameter's shape are gradient
+    reductions (``dp_grad``); moving a parameter or optimizer state out of its stored
+    layout is an FSDP gather (``fsdp_gather``); the rest is named after the mesh axes it
+    runs over (``seq``, ``expert``, ``tensor``), strategy collectives default to
+    ``tensor`` and edge reshardings to ``reshard``.
+    """
+    names = {rename.get(a, a) for a in coll.axes}
+    if source is None:  # a strategy's own collective
+        if op.phase == "backward" and any(t.shape in bp.param_shapes for t in op.node.out_tensors):
+            return "dp_grad"
+    elif source.root_role in ("param", "opt_state"):
+        return "fsdp_gather"
+    for cls in ("seq", "expert", "tensor"):
+        if cls in names:
+            return cls
+    return "tensor" if source is None else "reshard"
+
+
+__all__ = ["BuiltProblem", "ProblemBuilder", "Ref", "collective_class", "match_optimizer_state"]

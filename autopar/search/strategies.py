@@ -1,0 +1,760 @@
+"""Sharding strategies of one operation on a mesh.
+
+A strategy says how each operand must be laid out, how each result comes out, what the
+operation costs per device (``compute_time`` of its FLOPs and bytes divided by the
+shards) and which collectives it implies (partial sums resolved by an all-reduce or a
+reduce-scatter). Two entry points:
+
+* :func:`enumerate_strategies` lists every legal strategy of an operation (the
+  operations the ILP chooses for: ``dot_general``, convolutions, gathers, scatters, ...).
+* :func:`follow_strategy` derives the one strategy an operation takes when it simply
+  follows the layout of one operand (elementwise ops, reshapes, transposes, reductions,
+  broadcasts, ...). Coarsening merges such operations into the group of the operation
+  they follow, so they add no choice of their own.
+
+Example:
+    >>> strategies = enumerate_strategies(dot_node, ctx)          # doctest: +SKIP
+    >>> [s.name for s in strategies][:2]                          # doctest: +SKIP
+    ['R', 'm0=data']
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.search.costs import CostContext, itemsize
+from autopar.search.sharding import (
+    Collective,
+    MeshShape,
+    Sharding,
+    divides,
+    enumerate_shardings,
+    replicated,
+    reshape_sharding,
+    shards,
+)
+from autopar.trace.graph import Node, TensorInfo
+
+Tag = tuple[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class OpStrategy:
+    """One way to run one operation on the mesh.
+
+    Attributes:
+        name: short description, e.g. ``"m0=data n0=tensor"`` for a matmul.
+        ins: required sharding per operand (``None`` for literals).
+        outs: sharding per result.
+        compute_s: per-device compute time (one execution).
+        comm: collectives the strategy implies (one execution).
+        flops: FLOPs each device executes (one execution).
+        tags: structured description: ``(role, axes)`` pairs, e.g. ``("n0", ("tensor",))``
+            for the rhs free dim 0 of a matmul, ``("all-reduce", axes)``.
+    """
+
+    name: str
+    ins: tuple[Sharding | None, ...]
+    outs: tuple[Sharding, ...]
+    compute_s: float
+    comm: tuple[Collective, ...] = ()
+    flops: float = 0.0
+    tags: tuple[Tag, ...] = ()
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.time_s for c in self.comm)
+
+    @property
+    def cost_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+# ----------------------------------------------------------------------------- families
+
+ELEMENTWISE: frozenset[str] = frozenset(
+    """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
+    asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not integer_pow
+    convert_element_type reduce_precision erf erfc erf_inv lgamma digamma igamma real imag
+    conj square copy copy_p population_count clz add add_any sub mul div rem pow max min
+    atan2 nextafter and or xor eq ne lt le gt ge shift_left shift_right_logical
+    shift_right_arithmetic select_n clamp stop_gradient threefry2x32 optimization_barrier
+    bitcast_convert_type""".split()
+)
+REDUCTIONS: frozenset[str] = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor".split()
+)
+ARG_REDUCTIONS: frozenset[str] = frozenset(["argmax", "argmin"])
+CUMULATIVE: frozenset[str] = frozenset(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"])
+LAYOUT: frozenset[str] = frozenset(
+    ["broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"]
+)
+SLICING: frozenset[str] = frozenset(
+    ["slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate", "rev", "split"]
+)
+SORTING: frozenset[str] = frozenset(["sort", "top_k"])
+FOLLOWABLE: frozenset[str] = (
+    ELEMENTWISE | REDUCTIONS | ARG_REDUCTIONS | CUMULATIVE | LAYOUT | SLICING | SORTING
+)
+"""Primitives that take their layout from one operand (merged into that operand's group)."""
+
+# Layout changes XLA turns into bitcasts or fuses into their consumers: no time of their own.
+FREE: frozenset[str] = frozenset(["broadcast_in_dim", "reshape", "squeeze", "expand_dims"])
+
+ENUMERATED: frozenset[str] = frozenset(
+    ["dot_general", "conv_general_dilated", "gather", "iota"]
+) | frozenset(p for p in ("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"))
+
+
+def compute_kind(primitive: str) -> str:
+    if primitive in ("dot_general", "conv_general_dilated"):
+        return "matmul"
+    if primitive in REDUCTIONS or primitive in ARG_REDUCTIONS or primitive in CUMULATIVE:
+        return "reduction"
+    if primitive in ELEMENTWISE:
+        return "elementwise"
+    return "other"
+
+
+_FIELD = re.compile(r"(\w+)=\(([^()]*)\)")
+
+
+def _parse_record(text: str) -> dict[str, tuple[int, ...]]:
+    """``"GatherDimensionNumbers(offset_dims=(2,), ...)"`` -> ``{"offset_dims": (2,), ...}``."""
+    return {
+        k: tuple(int(x) for x in v.replace(" ", "").split(",") if x)
+        for k, v in _FIELD.findall(text)
+    }
+
+
+def _get(obj: Any, name: str, index: int) -> Any:
+    """Read a field of a params record the tracer may have stored as object, dict, list or
+    its ``repr`` string."""
+    if isinstance(obj, str):
+        obj = _parse_record(obj)
+    if isinstance(obj, dict):
+        return obj[name]
+    if hasattr(obj, name):
+        return getattr(obj, name)
+    return obj[index]
+
+
+def _tuple(x: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in x)
+
+
+# ----------------------------------------------------------------------------- pricing
+
+
+def _price(
+    node: Node,
+    ins: Sequence[Sharding | None],
+    outs: Sequence[Sharding],
+    work_shards: int,
+    ctx: CostContext,
+    name: str,
+    comm: Sequence[Collective] = (),
+    tags: Sequence[Tag] = (),
+) -> OpStrategy:
+    mesh = ctx.mesh
+    nbytes = 0.0
+    for t, s in zip(node.in_tensors, ins, strict=False):
+        if s is not None:
+            nbytes += t.nbytes / shards(s, mesh)
+    for t, s in zip(node.out_tensors, outs, strict=True):
+        nbytes += t.nbytes / shards(s, mesh)
+    flops = node.flops / max(work_shards, 1)
+    if node.primitive in FREE:
+        compute = 0.0
+    else:
+        dtype = node.in_tensors[0].dtype if node.in_tensors else node.out_tensors[0].dtype
+        compute = ctx.compute(flops, nbytes, dtype, compute_kind(node.primitive))
+    return OpStrategy(name, tuple(ins), tuple(outs), compute, tuple(comm), flops, tuple(tags))
+
+
+def _dedupe(strategies: Sequence[OpStrategy]) -> list[OpStrategy]:
+    """Keep the cheapest strategy per distinct (operand, result) layout."""
+    best: dict[tuple, OpStrategy] = {}
+    for s in strategies:
+        key = (s.ins, s.outs)
+        if key not in best or s.cost_s < best[key].cost_s - 1e-15:
+            best[key] = s
+    return list(best.values())
+
+
+def replicated_strategy(node: Node, ctx: CostContext) -> OpStrategy:
+    """Everything replicated: every device runs the whole operation."""
+    ins = tuple(replicated(t.ndim) for t in node.in_tensors)
+    outs = tuple(replicated(t.ndim) for t in node.out_tensors)
+    return _price(node, ins, outs, 1, ctx, "R")
+
+
+# ----------------------------------------------------------------------------- followers
+# A rule maps the layout of operand ``main`` to (operand layouts, result layouts, axes
+# whose partial sums the results need reduced over). The operand layout it returns for
+# ``main`` may drop axes of ``spec`` the operation cannot keep (the group pays to move).
+
+Rule = Callable[[Node, int, Sharding, MeshShape], tuple[list, list, tuple[str, ...]]]
+
+
+def _same_shape_ins(node: Node, ref: TensorInfo, spec: Sharding) -> list:
+    ins: list = []
+    for t in node.in_tensors:
+        if t.shape == ref.shape:
+            ins.append(spec)
+        else:
+            ins.append(replicated(t.ndim))
+    return ins
+
+
+def _rule_elementwise(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    ref = node.in_tensors[main]
+    ins = _same_shape_ins(node, ref, spec)
+    outs = [spec if t.shape == ref.shape else replicated(t.ndim) for t in node.out_tensors]
+    return ins, outs, ()
+
+
+def _clear(spec: Sharding, dims) -> Sharding:
+    dims = set(dims)
+    return tuple(() if d in dims else s for d, s in enumerate(spec))
+
+
+def _rule_reduce(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    axes = set(_tuple(node.params.get("axes", ())))
+    out = tuple(s for d, s in enumerate(spec) if d not in axes)
+    reduced = tuple(a for d in sorted(axes) for a in spec[d])
+    return [spec], [out], mesh.order(reduced)
+
+
+def _rule_argreduce(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    axes = set(_tuple(node.params.get("axes", ())))
+    kept = _clear(spec, axes)
+    out = tuple(s for d, s in enumerate(kept) if d not in axes)
+    return [kept], [out], ()
+
+
+def _rule_along_axis(param: str) -> Rule:
+    def rule(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+        axis = int(node.params.get(param, 0))
+        kept = _clear(spec, [axis])
+        ins, outs, _ = _rule_elementwise(node, main, kept, mesh)
+        return ins, outs, ()
+
+    return rule
+
+
+def _rule_top_k(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    kept = _clear(spec, [len(spec) - 1])
+    return [kept], [kept for _ in node.out_tensors], ()
+
+
+def _rule_broadcast(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    src, dst = node.in_tensors[0], node.out_tensors[0]
+    bdims = _tuple(node.params.get("broadcast_dimensions", ()))
+    kept = list(spec)
+    out: list[tuple[str, ...]] = [() for _ in dst.shape]
+    for i, d in enumerate(bdims):
+        if src.shape[i] == dst.shape[d]:
+            out[d] = spec[i]
+        else:
+            kept[i] = ()
+    ins = [tuple(kept)] + [replicated(t.ndim) for t in node.in_tensors[1:]]
+    return ins, [tuple(out)], ()
+
+
+def _rule_reshape(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    src, dst = node.in_tensors[0], node.out_tensors[0]
+    if node.params.get("dimensions") is not None:
+        return [replicated(src.ndim)], [replicated(dst.ndim)], ()
+    kept, out = reshape_sharding(src.shape, dst.shape, spec, mesh)
+    ins = [kept] + [replicated(t.ndim) for t in node.in_tensors[1:]]
+    return ins, [out], ()
+
+
+def _rule_squeeze(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    dims = set(_tuple(node.params.get("dimensions", ())))
+    out = tuple(s for d, s in enumerate(spec) if d not in dims)
+    return [spec], [out], ()
+
+
+def _rule_expand_dims(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    dims = sorted(_tuple(node.params.get("dimensions", ())))
+    out = list(spec)
+    for d in dims:
+        out.insert(d, ())
+    return [spec], [tuple(out)], ()
+
+
+def _rule_transpose(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    perm = _tuple(node.params.get("permutation", range(len(spec))))
+    return [spec], [tuple(spec[p] for p in perm)], ()
+
+
+def _changed_dims(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    return [d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+
+
+def _rule_slice(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    src, dst = node.in_tensors[0], node.out_tensors[0]
+    kept = _clear(spec, _changed_dims(src.shape, dst.shape))
+    ins = [kept] + [replicated(t.ndim) for t in node.in_tensors[1:]]
+    return ins, [kept], ()
+
+
+def _rule_pad(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    src, dst = node.in_tensors[0], node.out_tensors[0]
+    kept = _clear(spec, _changed_dims(src.shape, dst.shape))
+    cfg = node.params.get("padding_config")
+    if cfg is not None:  # interior padding changes a dim even when its size is kept
+        kept = _clear(kept, [d for d, c in enumerate(cfg) if any(int(v) for v in c)])
+    return [kept, ()], [kept], ()
+
+
+def _rule_dynamic_update_slice(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    operand, update = node.in_tensors[0], node.in_tensors[1]
+    kept = _clear(spec, _changed_dims(operand.shape, update.shape))
+    ins = [kept, kept] + [replicated(t.ndim) for t in node.in_tensors[2:]]
+    return ins, [kept], ()
+
+
+def _rule_concatenate(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    dim = int(node.params.get("dimension", 0))
+    kept = _clear(spec, [dim])
+    return [kept for _ in node.in_tensors], [kept], ()
+
+
+def _rule_rev(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    kept = _clear(spec, _tuple(node.params.get("dimensions", ())))
+    return [kept], [kept], ()
+
+
+def _rule_split(node: Node, main: int, spec: Sharding, mesh: MeshShape):
+    kept = _clear(spec, [int(node.params.get("axis", 0))])
+    return [kept], [kept for _ in node.out_tensors], ()
+
+
+_RULES: dict[str, Rule] = {
+    **{p: _rule_elementwise for p in ELEMENTWISE},
+    **{p: _rule_reduce for p in REDUCTIONS},
+    **{p: _rule_argreduce for p in ARG_REDUCTIONS},
+    **{p: _rule_along_axis("axis") for p in CUMULATIVE},
+    "sort": _rule_along_axis("dimension"),
+    "top_k": _rule_top_k,
+    "broadcast_in_dim": _rule_broadcast,
+    "reshape": _rule_reshape,
+    "squeeze": _rule_squeeze,
+    "expand_dims": _rule_expand_dims,
+    "transpose": _rule_transpose,
+    "slice": _rule_slice,
+    "dynamic_slice": _rule_slice,
+    "pad": _rule_pad,
+    "dynamic_update_slice": _rule_dynamic_update_slice,
+    "concatenate": _rule_concatenate,
+    "rev": _rule_rev,
+    "split": _rule_split,
+}
+
+
+def can_follow(node: Node, operand: int) -> bool:
+    """Whether ``node`` can take its layout from operand ``operand``."""
+    if node.primitive not in _RULES or not node.out_tensors:
+        return False
+    t = node.in_tensors[operand]
+    if node.primitive in ELEMENTWISE or node.primitive in SORTING:
+        return any(o.shape == t.shape for o in node.out_tensors)
+    if node.primitive == "concatenate":
+        return True
+    if node.primitive == "dynamic_update_slice":
+        return operand == 0
+    return operand == 0
+
+
+def follow_strategy(node: Node, operand: int, spec: Sharding, ctx: CostContext) -> OpStrategy:
+    """The strategy of ``node`` when operand ``operand`` arrives laid out as ``spec``.
+
+    Example:
+        >>> s = follow_strategy(reduce_sum_node, 0, (("data",), ()), ctx)   # doctest: +SKIP
+        >>> s.outs, [c.kind for c in s.comm]                               # doctest: +SKIP
+        ((('data',),), [])
+    """
+    ins, outs, reduce_axes = _RULES[node.primitive](node, operand, spec, ctx.mesh)
+    comm: list[Collective] = []
+    if reduce_axes:
+        # A reduction over a sharded dim leaves partial results: all-reduce them.
+        out_bytes = sum(
+            t.nbytes / shards(s, ctx.mesh) for t, s in zip(node.out_tensors, outs, strict=True)
+        )
+        comm.append(ctx.collective("all-reduce", out_bytes, reduce_axes))
+    if node.primitive in REDUCTIONS:
+        work = shards(ins[0], ctx.mesh)
+    else:
+        work = max((shards(s, ctx.mesh) for s in outs), default=1)
+    tags = (("all-reduce", reduce_axes),) if reduce_axes else ()
+    return _price(node, ins, outs, work, ctx, "follow", comm, tags)
+
+
+def _enumerate_followable(node: Node, ctx: CostContext) -> list[OpStrategy]:
+    tensors = [(k, t) for k, t in enumerate(node.in_tensors) if t.ndim > 0]
+    if not tensors or not any(can_follow(node, k) for k, _ in tensors):
+        # Nothing to follow (e.g. a broadcast of a scalar): any result layout is free.
+        out: list[OpStrategy] = []
+        for spec in enumerate_shardings(node.out_tensors[0].shape, ctx.mesh):
+            ins = tuple(replicated(t.ndim) for t in node.in_tensors)
+            if node.primitive == "broadcast_in_dim":
+                bdims = _tuple(node.params.get("broadcast_dimensions", ()))
+                src = node.in_tensors[0]
+                ins = (
+                    tuple(
+                        spec[d] if src.shape[i] == node.out_tensors[0].shape[d] else ()
+                        for i, d in enumerate(bdims)
+                    ),
+                ) + ins[1:]
+            outs = tuple(
+                spec if t.shape == node.out_tensors[0].shape else replicated(t.ndim)
+                for t in node.out_tensors
+            )
+            out.append(_price(node, ins, outs, shards(spec, ctx.mesh), ctx, "source"))
+        return _dedupe(out)
+    k = max((k for k, _ in tensors if can_follow(node, k)), key=lambda k: node.in_tensors[k].ndim)
+    out = [
+        follow_strategy(node, k, s, ctx)
+        for s in enumerate_shardings(node.in_tensors[k].shape, ctx.mesh)
+    ]
+    if node.primitive == "reshape":
+        # Also reach result layouts a forward mapping misses (split dims sharded minor).
+        for s in enumerate_shardings(node.out_tensors[0].shape, ctx.mesh):
+            back, fwd = reshape_sharding(
+                node.out_tensors[0].shape, node.in_tensors[0].shape, s, ctx.mesh
+            )
+            out.append(follow_strategy(node, 0, fwd, ctx))
+    return _dedupe(out)
+
+
+# ----------------------------------------------------------------------------- dot_general
+
+
+def _assignments(
+    slots: Sequence[tuple[Any, int]], mesh: MeshShape
+) -> list[dict[Any, tuple[str, ...]]]:
+    """Every map of active mesh axes onto slots (or none), divisible by slot size."""
+    axes = mesh.active
+    names = [s for s, _ in slots]
+    sizes = dict(slots)
+    out = []
+    for choice in itertools.product((None, *range(len(slots))), repeat=len(axes)):
+        amap: dict[Any, list[str]] = {}
+        for axis, c in zip(axes, choice, strict=True):
+            if c is not None:
+                amap.setdefault(names[c], []).append(axis)
+        ok = all(sizes[k] % mesh.prod(v) == 0 for k, v in amap.items())
+        if ok:
+            out.append({k: mesh.order(v) for k, v in amap.items()})
+    return out
+
+
+def _resolve_partial(
+    node: Node,
+    ins: tuple,
+    out: Sharding,
+    partial: tuple[str, ...],
+    work: int,
+    ctx: CostContext,
+    name: str,
+    tags: list[Tag],
+) -> list[OpStrategy]:
+    """Strategies for a result with partial sums over ``partial``: all-reduce it, or
+    reduce-scatter it onto one result dim."""
+    mesh = ctx.mesh
+    if not partial:
+        return [_price(node, ins, (out,), work, ctx, name or "R", (), tags)]
+    res = node.out_tensors[0]
+    per_dev = res.nbytes / shards(out, mesh)
+    label = "+".join(partial)
+    strategies = [
+        _price(
+            node,
+            ins,
+            (out,),
+            work,
+            ctx,
+            f"{name} AR({label})".strip(),
+            (ctx.collective("all-reduce", per_dev, partial),),
+            [*tags, ("all-reduce", partial)],
+        )
+    ]
+    for d, dim in enumerate(out):
+        new = dim + partial
+        if mesh.order(new) != new or res.shape[d] % mesh.prod(new):
+            continue
+        scattered = out[:d] + (new,) + out[d + 1 :]
+        strategies.append(
+            _price(
+                node,
+                ins,
+                (scattered,),
+                work,
+                ctx,
+                f"{name} RS({label}->{d})".strip(),
+                (ctx.collective("reduce-scatter", per_dev, partial),),
+                [*tags, ("reduce-scatter", partial)],
+            )
+        )
+    return strategies
+
+
+def _dot_general(node: Node, ctx: CostContext) -> list[OpStrategy]:
+    lhs, rhs = node.in_tensors[0], node.in_tensors[1]
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    lc, rc, lb, rb = _tuple(lc), _tuple(rc), _tuple(lb), _tuple(rb)
+    lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    slots: list[tuple[Any, int]] = []
+    slots += [(("b", i), lhs.shape[d]) for i, d in enumerate(lb)]
+    slots += [(("m", i), lhs.shape[d]) for i, d in enumerate(lfree)]
+    slots += [(("n", i), rhs.shape[d]) for i, d in enumerate(rfree)]
+    slots += [(("k", i), lhs.shape[d]) for i, d in enumerate(lc)]
+    out: list[OpStrategy] = []
+    for amap in _assignments(slots, ctx.mesh):
+        ls: list[tuple[str, ...]] = [() for _ in lhs.shape]
+        rs: list[tuple[str, ...]] = [() for _ in rhs.shape]
+        for i, (a, b) in enumerate(zip(lb, rb, strict=True)):
+            ls[a] = rs[b] = amap.get(("b", i), ())
+        for i, (a, b) in enumerate(zip(lc, rc, strict=True)):
+            ls[a] = rs[b] = amap.get(("k", i), ())
+        for i, d in enumerate(lfree):
+            ls[d] = amap.get(("m", i), ())
+        for i, d in enumerate(rfree):
+            rs[d] = amap.get(("n", i), ())
+        res = (
+            [amap.get(("b", i), ()) for i in range(len(lb))]
+            + [amap.get(("m", i), ()) for i in range(len(lfree))]
+            + [amap.get(("n", i), ()) for i in range(len(rfree))]
+        )
+        partial = ctx.mesh.order(a for i in range(len(lc)) for a in amap.get(("k", i), ()))
+        work = math.prod(ctx.mesh.prod(v) for v in amap.values())
+        tags = [(f"{k}{i}", v) for (k, i), v in sorted(amap.items()) if v]
+        name = " ".join(f"{r}={'+'.join(v)}" for r, v in tags)
+        ins = (tuple(ls), tuple(rs)) + tuple(replicated(t.ndim) for t in node.in_tensors[2:])
+        out += _resolve_partial(node, ins, tuple(res), partial, work, ctx, name, tags)
+    return _dedupe(out)
+
+
+# ----------------------------------------------------------------------------- convolution
+
+
+def _conv(node: Node, ctx: CostContext) -> list[OpStrategy]:
+    lhs, rhs = node.in_tensors[0], node.in_tensors[1]
+    res = node.out_tensors[0]
+    dn = node.params.get("dimension_numbers")
+    if dn is None:
+        lspec, rspec, ospec = tuple(range(lhs.ndim)), tuple(range(rhs.ndim)), tuple(range(res.ndim))
+    else:
+        lspec, rspec, ospec = (
+            _tuple(_get(dn, n, i)) for i, n in enumerate(("lhs_spec", "rhs_spec", "out_spec"))
+        )
+    fgc = int(node.params.get("feature_group_count", 1))
+    bgc = int(node.params.get("batch_group_count", 1))
+    if bgc != 1:
+        return [replicated_strategy(node, ctx)]
+    slots: list[tuple[Any, int]] = [("batch", lhs.shape[lspec[0]])]
+    if fgc == 1:
+        slots += [("out_feature", rhs.shape[rspec[0]]), ("in_feature", lhs.shape[lspec[1]])]
+    out: list[OpStrategy] = []
+    for amap in _assignments(slots, ctx.mesh):
+        ls = [() for _ in lhs.shape]
+        rs = [() for _ in rhs.shape]
+        os_ = [() for _ in res.shape]
+        ls[lspec[0]] = os_[ospec[0]] = amap.get("batch", ())
+        rs[rspec[0]] = os_[ospec[1]] = amap.get("out_feature", ())
+        ls[lspec[1]] = rs[rspec[1]] = amap.get("in_feature", ())
+        partial = amap.get("in_feature", ())
+        work = math.prod(ctx.mesh.prod(v) for v in amap.values())
+        tags = [(k, v) for k, v in sorted(amap.items()) if v]
+        name = " ".join(f"{r}={'+'.join(v)}" for r, v in tags)
+        ins = (tuple(ls), tuple(rs))
+        out += _resolve_partial(node, ins, tuple(os_), partial, work, ctx, name, tags)
+    return _dedupe(out)
+
+
+# ----------------------------------------------------------------------------- gather
+
+
+def _gather(node: Node, ctx: CostContext) -> list[OpStrategy]:
+    operand, indices = node.in_tensors[0], node.in_tensors[1]
+    res = node.out_tensors[0]
+    dn = node.params["dimension_numbers"]
+    offset_dims = _tuple(_get(dn, "offset_dims", 0))
+    collapsed = _tuple(_get(dn, "collapsed_slice_dims", 1))
+    start_index_map = _tuple(_get(dn, "start_index_map", 2))
+    obatch = (
+        _tuple(_get(dn, "operand_batching_dims", 3)) if _has(dn, "operand_batching_dims", 3) else ()
+    )
+    ibatch = (
+        _tuple(_get(dn, "start_indices_batching_dims", 4))
+        if _has(dn, "start_indices_batching_dims", 4)
+        else ()
+    )
+    slice_sizes = _tuple(node.params["slice_sizes"])
+    out_batch = [d for d in range(res.ndim) if d not in offset_dims]  # <-> indices dims [:-1]
+    idx_dims = list(range(indices.ndim - 1))
+    op_offset = [d for d in range(operand.ndim) if d not in collapsed and d not in obatch]
+    slots: list[tuple[Any, int]] = []
+    slots += [(("ib", j), indices.shape[j]) for j in idx_dims]
+    slots += [
+        (("off", d), operand.shape[d]) for d in op_offset if slice_sizes[d] == operand.shape[d]
+    ]
+    slots += [
+        (("idx", d), operand.shape[d])
+        for d in start_index_map
+        if d in collapsed and slice_sizes[d] == 1
+    ]
+    out: list[OpStrategy] = []
+    for amap in _assignments(slots, ctx.mesh):
+        os_ = [() for _ in res.shape]
+        ops = [() for _ in operand.shape]
+        ins_idx = [() for _ in indices.shape]
+        for j in idx_dims:
+            v = amap.get(("ib", j), ())
+            ins_idx[j] = os_[out_batch[j]] = v
+            if j in ibatch:
+                ops[obatch[ibatch.index(j)]] = v
+        for i, d in enumerate(op_offset):
+            ops[d] = os_[offset_dims[i]] = amap.get(("off", d), ())
+        partial = ctx.mesh.order(a for (k, _), v in amap.items() if k == "idx" for a in v)
+        for (k, d), v in amap.items():
+            if k == "idx":
+                ops[d] = v
+        work = math.prod(ctx.mesh.prod(v) for (k, _), v in amap.items() if k != "idx")
+        tags = [(f"{k}{i}", v) for (k, i), v in sorted(amap.items()) if v]
+        name = " ".join(f"{r}={'+'.join(v)}" for r, v in tags)
+        ins = (tuple(ops), tuple(ins_idx)) + tuple(replicated(t.ndim) for t in node.in_tensors[2:])
+        # A table sharded on the looked-up dim: each device answers the indices it owns
+        # (others masked to zero) and an all-reduce assembles the rows.
+        out += _resolve_partial(node, ins, tuple(os_), partial, work, ctx, name, tags)
+    return _dedupe(out)
+
+
+def _has(obj: Any, name: str, index: int) -> bool:
+    if isinstance(obj, str):
+        obj = _parse_record(obj)
+    if isinstance(obj, dict):
+        return name in obj
+    if hasattr(obj, name):
+        return True
+    return isinstance(obj, (list, tuple)) and len(obj) > index
+
+
+# ----------------------------------------------------------------------------- scatter
+
+
+def _scatter(node: Node, ctx: CostContext) -> list[OpStrategy]:
+    operand, indices, updates = node.in_tensors[0], node.in_tensors[1], node.in_tensors[2]
+    node.out_tensors[0]
+    dn = node.params["dimension_numbers"]
+    window = _tuple(_get(dn, "update_window_dims", 0))
+    inserted = _tuple(_get(dn, "inserted_window_dims", 1))
+    to_operand = _tuple(_get(dn, "scatter_dims_to_operand_dims", 2))
+    obatch = (
+        _tuple(_get(dn, "operand_batching_dims", 3)) if _has(dn, "operand_batching_dims", 3) else ()
+    )
+    ibatch = (
+        _tuple(_get(dn, "scatter_indices_batching_dims", 4))
+        if _has(dn, "scatter_indices_batching_dims", 4)
+        else ()
+    )
+    additive = node.primitive in ("scatter-add", "scatter_add")
+    upd_scatter = [d for d in range(updates.ndim) if d not in window]  # <-> indices dims [:-1]
+    op_window = [d for d in range(operand.ndim) if d not in inserted and d not in obatch]
+    slots: list[tuple[Any, int]] = []
+    for j in range(indices.ndim - 1):
+        if j in ibatch or additive:
+            slots.append((("sb", j), indices.shape[j]))
+    for i, d in enumerate(op_window):
+        if updates.shape[window[i]] == operand.shape[d]:
+            slots.append((("win", d), operand.shape[d]))
+    for d in to_operand:
+        if d in inserted:
+            slots.append((("idx", d), operand.shape[d]))
+    out: list[OpStrategy] = []
+    for amap in _assignments(slots, ctx.mesh):
+        ops = [() for _ in operand.shape]
+        upd = [() for _ in updates.shape]
+        idx = [() for _ in indices.shape]
+        partial: list[str] = []
+        for j in range(indices.ndim - 1):
+            v = amap.get(("sb", j), ())
+            idx[j] = upd[upd_scatter[j]] = v
+            if j in ibatch:
+                ops[obatch[ibatch.index(j)]] = v
+            else:
+                partial.extend(v)  # each device adds its updates into a full-size result
+        for i, d in enumerate(op_window):
+            ops[d] = upd[window[i]] = amap.get(("win", d), ())
+        for (k, d), v in amap.items():
+            if k == "idx":
+                ops[d] = v  # each device applies the updates that land in its rows
+        work = math.prod(ctx.mesh.prod(v) for (k, _), v in amap.items() if k != "idx")
+        tags = [(f"{k}{i}", v) for (k, i), v in sorted(amap.items()) if v]
+        name = " ".join(f"{r}={'+'.join(v)}" for r, v in tags)
+        ins = (tuple(ops), tuple(idx), tuple(upd)) + tuple(
+            replicated(t.ndim) for t in node.in_tensors[3:]
+        )
+        out += _resolve_partial(
+            node, ins, tuple(ops), ctx.mesh.order(partial), work, ctx, name, tags
+        )
+    return _dedupe(out)
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def enumerate_strategies(node: Node, ctx: CostContext) -> list[OpStrategy]:
+    """Every legal strategy of ``node`` on ``ctx.mesh`` (deduplicated by layout).
+
+    Operations without a rule get one strategy: everything replicated.
+
+    Example:
+        >>> len(enumerate_strategies(matmul_node, ctx)) > 1     # doctest: +SKIP
+        True
+    """
+    p = node.primitive
+    if not node.out_tensors:
+        return [replicated_strategy(node, ctx)]
+    if p == "dot_general":
+        out = _dot_general(node, ctx)
+    elif p == "conv_general_dilated":
+        out = _conv(node, ctx)
+    elif p == "gather":
+        out = _gather(node, ctx)
+    elif p in ("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"):
+        out = _scatter(node, ctx)
+    elif p in _RULES or p == "iota":
+        out = _enumerate_followable(node, ctx)
+    else:
+        out = [replicated_strategy(node, ctx)]
+    return out or [replicated_strategy(node, ctx)]
+
+
+def is_valid(node: Node, strategy: OpStrategy, mesh: MeshShape) -> bool:
+    """Every sharded dim of every operand and result divisible by its axes."""
+    for t, s in zip(node.in_tensors, strategy.ins, strict=False):
+        if s is not None and not divides(t.shape, s, mesh):
+            return False
+    return all(
+        divides(t.shape, s, mesh) for t, s in zip(node.out_tensors, strategy.outs, strict=True)
+    )
+
+
+__all__ = [
+    "FOLLOWABLE",
+    "OpStrategy",
+    "can_follow",
+    "enumerate_strategies",
+    "follow_strategy",
+    "itemsize",
+]

@@ -1,0 +1,204 @@
+"""FLOPs and bytes of one (non-composite) equation.
+
+Counting rules (one execution of the equation; loops are scaled by the graph builder):
+
+* ``dot_general``: ``2 * prod(out.shape) * prod(lhs.shape[c] for c in lhs_contracting)``
+  (one multiply and one add per term), exact.
+* ``conv_general_dilated``: ``2 * prod(out.shape) * (in_features / feature_groups) *
+  prod(kernel spatial)``, where ``in_features / feature_groups`` is the kernel's input
+  feature dimension. Exact for ordinary convolutions; like XLA's own count it includes the
+  taps that land on zeros of a dilated input (input gradients of strided convolutions).
+* Elementwise arithmetic, comparisons, ``select_n`` and transcendentals (``exp``, ``log``,
+  ``tanh``, ``erf``, ``rsqrt``, ``logistic``, ...): 1 per output element. A transcendental
+  costs several hardware operations, but counting 1 keeps the totals comparable with the
+  usual "model FLOPs" and with XLA's ``cost_analysis()['flops']``; transcendental throughput
+  belongs in the cost model.
+* Reductions (``reduce_*``, ``argmax``/``argmin``, ``cumsum`` and friends): 1 per input
+  element. ``reduce_window_*``: ``prod(out) * prod(window)``. Scatter with a combiner
+  (``scatter-add``, ``scatter_mul``, ...): 1 per update element. ``sort``:
+  ``prod(shape) * ceil(log2(n))``.
+* Data movement (reshape, transpose, broadcast, slices, gather, concatenate, pad, casts,
+  iota, copies, sharding constraints): 0.
+* Unknown primitives: 0 (listed by :func:`is_counted` so a summary can flag them).
+
+Bytes: ``bytes_in`` sums the operands that are variables (literals are free), ``bytes_out``
+the results; ``gather``/``dynamic_slice`` read only the slice they return (plus indices);
+scatters and ``dynamic_update_slice`` update in place, so they read and write the updated
+region (plus indices), not the whole operand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from autopar.trace.graph import TensorInfo
+
+ELEMENTWISE: frozenset[str] = frozenset(
+    """
+    abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
+    cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
+    population_count pow real reduce_precision rem round rsqrt select_n shift_left
+    shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
+    bessel_i0e bessel_i1e polygamma zeta regularized_incomplete_beta random_gamma_grad
+    threefry2x32 clz
+    """.split()
+)
+REDUCTIONS: frozenset[str] = frozenset(
+    """
+    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
+    cumsum cumprod cummax cummin cumlogsumexp reduce
+    """.split()
+)
+SCATTER_COMBINE: frozenset[str] = frozenset(
+    {"scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+     "scatter-max", "scatter_max", "scatter_sub", "scatter-sub"}  # fmt: skip
+)
+REDUCE_WINDOW: frozenset[str] = frozenset(
+    {"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+     "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"}  # fmt: skip
+)
+DATA_MOVEMENT: frozenset[str] = frozenset(
+    """
+    reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
+    dynamic_update_slice gather scatter concatenate pad rev copy copy_p convert_element_type
+    bitcast_convert_type iota stop_gradient sharding_constraint optimization_barrier
+    device_put split random_bits random_seed random_wrap random_unwrap random_fold_in
+    random_split rng_bit_generator rng_uniform mesh_cast reshard pvary pcast axis_index
+    """.split()
+)
+# Reads only the slice it produces (plus the indices).
+_SLICE_READS: frozenset[str] = frozenset({"gather", "dynamic_slice", "slice"})
+# Update in place: read and write the updated region (operand 2 / operand 1 are the updates).
+_IN_PLACE_UPDATES: dict[str, int] = {
+    **{p: 2 for p in SCATTER_COMBINE},
+    "scatter": 2,
+    "dynamic_update_slice": 1,
+}
+
+
+def is_counted(primitive: str) -> bool:
+    """Whether :func:`eqn_flops` knows ``primitive`` (unknown ones count 0 FLOPs).
+
+    Example:
+        >>> is_counted("dot_general"), is_counted("my_custom_op")
+        (True, False)
+    """
+    return (
+        primitive in ELEMENTWISE
+        or primitive in REDUCTIONS
+        or primitive in SCATTER_COMBINE
+        or primitive in REDUCE_WINDOW
+        or primitive in DATA_MOVEMENT
+        or primitive
+        in {"dot_general", "conv_general_dilated", "sort", "top_k", "custom_jvp_call", "fft"}
+    )
+
+
+def dot_general_flops(lhs_shape: Sequence[int], out_shape: Sequence[int], lhs_contracting) -> float:
+    """``2 * prod(out) * prod(contracted lhs dims)``.
+
+    Example:
+        >>> dot_general_flops((8, 16), (8, 32), (1,))   # [8,16] @ [16,32]
+        8192.0
+    """
+    k = math.prod(lhs_shape[i] for i in lhs_contracting)
+    return 2.0 * math.prod(out_shape) * k
+
+
+def conv_flops(rhs_shape: Sequence[int], out_shape: Sequence[int], rhs_spec: Sequence[int]) -> float:
+    """``2 * prod(out) * in_features_per_group * prod(kernel spatial)``.
+
+    ``rhs_spec`` is the kernel's ``(out_feature_dim, in_feature_dim, *spatial_dims)`` from
+    ``ConvDimensionNumbers.rhs_spec``.
+
+    Example:
+        >>> conv_flops((64, 3, 3, 3), (1, 64, 32, 32), (0, 1, 2, 3))   # 3x3 conv, 3 -> 64
+        3538944.0
+    """
+    per_out = rhs_shape[rhs_spec[1]] * math.prod(rhs_shape[d] for d in rhs_spec[2:])
+    return 2.0 * math.prod(out_shape) * per_out
+
+
+def eqn_flops(
+    primitive: str,
+    params: dict,
+    in_tensors: Sequence[TensorInfo],
+    out_tensors: Sequence[TensorInfo],
+) -> float:
+    """FLOPs of one non-composite equation (see the module docstring for the rules).
+
+    Args:
+        primitive: the primitive name.
+        params: the equation's raw parameters (``eqn.params``).
+        in_tensors / out_tensors: operand and result shapes.
+
+    Example:
+        >>> eqn_flops("exp", {}, [TensorInfo((4, 4), "float32")], [TensorInfo((4, 4), "float32")])
+        16.0
+    """
+    if primitive == "dot_general":
+        (lc, _), _ = params["dimension_numbers"]
+        return dot_general_flops(in_tensors[0].shape, out_tensors[0].shape, lc)
+    if primitive == "conv_general_dilated":
+        dn = params["dimension_numbers"]
+        return conv_flops(in_tensors[1].shape, out_tensors[0].shape, dn.rhs_spec)
+    if primitive in ELEMENTWISE:
+        return float(sum(t.size for t in out_tensors))
+    if primitive in REDUCTIONS:
+        n = len(out_tensors) if primitive == "reduce" else 1  # variadic reduce: operands
+        return float(sum(t.size for t in in_tensors[:n]))
+    if primitive in SCATTER_COMBINE:
+        return float(in_tensors[2].size)
+    if primitive in REDUCE_WINDOW:
+        window = params.get("window_dimensions", ())
+        return float(out_tensors[0].size * math.prod(window))
+    if primitive == "sort":
+        dim = params.get("dimension", 0)
+        t = in_tensors[0]
+        n = t.shape[dim] if t.shape else 1
+        return float(t.size * max(1, math.ceil(math.log2(max(n, 2)))))
+    if primitive == "top_k":
+        return float(in_tensors[0].size)
+    if primitive == "fft":
+        t = in_tensors[0]
+        lengths = params.get("fft_lengths", ())
+        n = math.prod(lengths) if lengths else 1
+        return 5.0 * t.size * math.log2(max(n, 2))
+    return 0.0
+
+
+def eqn_bytes(
+    primitive: str,
+    in_tensors: Sequence[TensorInfo],
+    out_tensors: Sequence[TensorInfo],
+    literal: Sequence[bool],
+) -> tuple[int, int]:
+    """``(bytes_in, bytes_out)`` of one non-composite equation.
+
+    Args:
+        primitive: the primitive name.
+        in_tensors / out_tensors: operand and result shapes.
+        literal: per operand, whether it is a literal (free).
+
+    Example:
+        >>> t = TensorInfo((1024,), "float32")
+        >>> eqn_bytes("add", [t, t], [t], [False, False])
+        (8192, 4096)
+    """
+    if primitive in _SLICE_READS:
+        out = sum(t.nbytes for t in out_tensors)
+        idx = sum(t.nbytes for t, lit in zip(in_tensors[1:], literal[1:], strict=True) if not lit)
+        return out + idx, out
+    k = _IN_PLACE_UPDATES.get(primitive)
+    if k is not None and len(in_tensors) > k:
+        upd = in_tensors[k].nbytes
+        rest = sum(
+            t.nbytes
+            for i, (t, lit) in enumerate(zip(in_tensors, literal, strict=True))
+            if i not in (0, k) and not lit
+        )
+        return 2 * upd + rest, upd
+    b_in = sum(t.nbytes for t, lit in zip(in_tensors, literal, strict=True) if not lit)
+    return b_in, sum(t.nbytes for t in out_tensors)

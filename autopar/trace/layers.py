@@ -1,0 +1,453 @@
+"""Find the repeated layers of a traced step (named, scanned, or structurally repeated).
+
+Three sources, tried on the top-level nodes:
+
+1. **Named** (Flax linen): a name-stack component with an index (``h_3``, ``layers_3``,
+   ``block_2``, ``Dense_1``; ``layer3`` too) that occurs with at least two indices. Among
+   such ``(depth, prefix)`` candidates holding at least 5% of the FLOPs, the one covering
+   the most FLOPs wins (ties: the shallower), so ``GPT/h_3`` beats ``GPT/h_3/mlp/Dense_0``
+   and GPT-2's ``ln_1``/``ln_2`` are never layers. Forward and backward nodes
+   carry the names; the optimizer's nodes are placed by data flow (below).
+2. **Scan** (``nn.scan``/``lax.scan`` over layers): a ``scan`` whose scanned-over operands
+   (``xs``) include parameters (directly or through casts/reshapes). It gives ``length``
+   layers of kind ``"scan"``; a forward scan is paired with the backward scan that reads the
+   most of the same parameters, and each layer gets ``1/length`` of both (and of the
+   optimizer nodes that update those stacked parameters). All iterations share ``nodes``
+   (the loop nodes) and ``signature``; ``Layer.iteration`` tells them apart.
+3. **Repetition** (Flax nnx, plain JAX; used when 1 and 2 find nothing): parameters in
+   order of first forward use, each labelled by how it is used (consuming primitive,
+   operand position, shape, dtype). The longest run of a repeating unit of parameters
+   (at least two repeats; ties: the shorter unit) gives the layers; the run is then extended
+   by whole units that match without shapes (an MLP's first and last layer differ only in
+   width). Layer ``k``'s forward nodes are those from the first use of its first parameter
+   up to the next layer's; the last layer gets at most the longest other layer's span.
+   Backward nodes: the layer of a parameter they read, else that of their most recently
+   computed operand (the cotangent chain).
+
+**Optimizer nodes** (all three): in program order, a node joins the one layer among the
+layers of the inputs it reads (a parameter's or its optimizer state's layer: by name for
+named layers, ``.../h_3/...`` in the path) and of the nodes that produced its operands;
+nodes reading only optimizer state join the layer all their consumers agree on. Global
+reductions (a gradient norm) stay unassigned.
+
+``Layer.signature`` hashes the layer's nodes (phase, primitive, shapes, dtypes, parameters,
+loop bodies) in program order, so structurally identical layers have equal signatures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from autopar.trace.build import is_float_dtype
+from autopar.trace.graph import Graph, GraphInput, Layer, Node
+
+_TRANSFORM_PREFIX = re.compile(r"^(?:[\w.-]+\()+")
+_INDEXED = re.compile(r"^(.*?[A-Za-z][A-Za-z_]*?)_?(\d+)$")
+# Cheap ops through which a parameter stays "the parameter" (mixed-precision casts, views).
+# Named candidates must hold this share of the FLOPs (GPT-2's ``ln_1``/``ln_2`` are indexed
+# names too; with scanned blocks only their hoisted constants remain at top level).
+_MIN_NAMED_SHARE = 0.05
+_PARAM_VIEWS = frozenset({"convert_element_type", "reshape", "transpose", "copy", "copy_p"})
+
+
+def components(name_stack: str) -> list[str]:
+    """Module path of a name stack, transforms stripped.
+
+    Example:
+        >>> components("transpose(jvp(GPT))/h_3/attn/q")
+        ['GPT', 'h_3', 'attn', 'q']
+        >>> components("jvp()")
+        []
+    """
+    out = []
+    for part in name_stack.split("/"):
+        c = _TRANSFORM_PREFIX.sub("", part).rstrip(")")
+        if c:
+            out.append(c)
+    return out
+
+
+@dataclass
+class _Proto:
+    """A layer (or, for ``kind == "scan"``, a group of ``count`` layers) being assembled."""
+
+    name: str
+    kind: str
+    order: int  # program position of its first forward node
+    nodes: set[int] = field(default_factory=set)
+    count: int = 1
+
+
+def find_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput]) -> tuple[list[Layer], dict[int, int]]:
+    """Layers of the top-level ``nodes`` and the node -> layer index map.
+
+    Args:
+        nodes: top-level nodes with phases (``layer`` not yet set).
+        inputs: the graph inputs with roles.
+
+    Returns:
+        ``(layers, node_layer)``; for scan groups every loop node maps to the group's first
+        layer.
+    """
+    producer: dict[int, int] = {}
+    consumers: dict[int, list[int]] = defaultdict(list)
+    for n in nodes:
+        for v in n.outputs:
+            producer[v] = n.id
+        for v in n.inputs:
+            if v >= 0:
+                consumers[v].append(n.id)
+    params = [i for i in inputs if i.role == "param"]
+
+    protos: list[_Proto] = []
+    input_proto: dict[int, int] = {}  # input value id -> proto index
+    node_proto: dict[int, int] = {}
+
+    named = _named(nodes)
+    for name, ids in named:
+        node_set = set(ids)
+        order = min(ids)
+        protos.append(_Proto(name, "named", order, node_set))
+    if named:
+        for i in inputs:
+            comps = i.path.split("/")
+            for k, (name, _) in enumerate(named):
+                parts = name.split("/")
+                if _contains_run(comps, parts):
+                    input_proto[i.value] = k
+                    break
+    for k, p in enumerate(protos):
+        for nid in p.nodes:
+            node_proto[nid] = k
+
+    for fwd, bwd, length, stacked in _scan_groups(nodes, params, producer):
+        k = len(protos)
+        ids = {fwd} | ({bwd} if bwd is not None else set())
+        protos.append(_Proto(_scan_name(nodes[fwd], len(protos)), "scan", fwd, ids, length))
+        for nid in ids:
+            node_proto[nid] = k
+        for v in stacked:
+            input_proto.setdefault(v, k)
+
+    if not protos:
+        for ids, weights in _repeat_layers(nodes, inputs, producer, consumers):
+            k = len(protos)
+            protos.append(_Proto(f"block_{k}", "repeat", min(ids), set(ids)))
+            for nid in ids:
+                node_proto[nid] = k
+            for v in weights:
+                input_proto[v] = k
+
+    if not protos:
+        return [], {}
+    _assign_optimizer(nodes, producer, consumers, node_proto, input_proto)
+    for nid, k in node_proto.items():
+        protos[k].nodes.add(nid)
+    return _finish(nodes, protos)
+
+
+# -- named ---------------------------------------------------------------------------------
+
+
+def _contains_run(comps: list[str], parts: list[str]) -> bool:
+    n = len(parts)
+    return any(comps[j : j + n] == parts for j in range(len(comps) - n + 1))
+
+
+def _named(nodes: Sequence[Node]) -> list[tuple[str, list[int]]]:
+    """``[(layer name, node ids)]`` in program order from indexed name-stack components."""
+    # (depth, prefix) -> identity (module path up to the indexed component) -> node ids
+    cands: dict[tuple[int, str], dict[tuple[str, ...], list[int]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for n in nodes:
+        if not n.name_stack:
+            continue
+        comps = components(n.name_stack)
+        for d, c in enumerate(comps):
+            m = _INDEXED.match(c)
+            if m:
+                cands[(d, m.group(1))][tuple(comps[: d + 1])].append(n.id)
+    total = sum(n.flops for n in nodes)
+    best_key, best_score = None, None
+    for key, members in cands.items():
+        if len(members) < 2:
+            continue
+        flops = sum(nodes[i].flops for ids in members.values() for i in ids)
+        if flops < _MIN_NAMED_SHARE * total:
+            continue  # indexed names of small parts (``ln_1``, ``ln_2``), not layers
+        score = (flops, -key[0], len(members))
+        if best_score is None or score > best_score:
+            best_key, best_score = key, score
+    if best_key is None:
+        return []
+    members = cands[best_key]
+    out = []
+    for ident, ids in members.items():
+        name = "/".join(ident[1:]) if len(ident) > 1 else ident[0]
+        out.append((name, ids))
+    out.sort(key=lambda t: min(t[1]))
+    return out
+
+
+# -- scan ----------------------------------------------------------------------------------
+
+
+def _param_views(nodes: Sequence[Node], params: Sequence[GraphInput]) -> dict[int, int]:
+    """Value id -> parameter input value id, for parameters and their casts/reshapes."""
+    view = {p.value: p.value for p in params}
+    for n in nodes:
+        if n.primitive in _PARAM_VIEWS and n.inputs and n.inputs[0] in view:
+            for v in n.outputs:
+                view[v] = view[n.inputs[0]]
+    return view
+
+
+def _scan_groups(nodes: Sequence[Node], params: Sequence[GraphInput], producer):
+    """``[(forward scan id, backward scan id | None, length, stacked param value ids)]``."""
+    view = _param_views(nodes, params)
+    fwd: list[tuple[int, set[int]]] = []
+    bwd: list[tuple[int, set[int]]] = []
+    for n in nodes:
+        if n.primitive != "scan":
+            continue
+        nc, nk = n.params.get("num_consts", 0), n.params.get("num_carry", 0)
+        xs = n.inputs[nc + nk :]
+        stacked = {view[v] for v in xs if v in view}
+        if not stacked:
+            continue
+        (bwd if n.phase == "backward" else fwd).append((n.id, stacked))
+    groups = []
+    free = list(bwd)
+    for fid, fstack in fwd:
+        length = nodes[fid].length
+        best, best_overlap = None, 0
+        for j, (bid, bstack) in enumerate(free):
+            overlap = len(fstack & bstack)
+            if nodes[bid].length == length and overlap > best_overlap:
+                best, best_overlap = j, overlap
+        bid = None
+        stacked = set(fstack)
+        if best is not None:
+            bid, bstack = free.pop(best)
+            stacked |= bstack
+        groups.append((fid, bid, length, stacked))
+    # backward scans with no forward partner (forward scanned elsewhere): layers of their own
+    for bid, bstack in free:
+        groups.append((bid, None, nodes[bid].length, set(bstack)))
+    groups.sort(key=lambda g: g[0])
+    return groups
+
+
+def _scan_name(node: Node, k: int) -> str:
+    """The module name the loop body runs (``h`` for ``nn.scan(..., name="h")``)."""
+    counts: dict[str, int] = defaultdict(int)
+    if node.body:
+        prefix = len(components(node.name_stack))
+        for n in node.body[0].nodes:
+            comps = components(n.name_stack)[prefix:]
+            if comps:
+                counts[comps[0]] += 1
+    if counts:
+        return max(counts, key=lambda c: counts[c])
+    return f"scan{k}"
+
+
+# -- repetition ----------------------------------------------------------------------------
+
+
+def _best_run(sig: Sequence[object]) -> tuple[int, int, int] | None:
+    """``(start, period, repeats)`` of the longest periodic run with >= 2 repeats."""
+    m = len(sig)
+    best: tuple[int, int, int] | None = None
+    best_cover = 0
+    for p in range(1, m // 2 + 1):
+        i = 0
+        while i + p < m:
+            if sig[i] != sig[i + p]:
+                i += 1
+                continue
+            j = i
+            while j + p < m and sig[j] == sig[j + p]:
+                j += 1
+            repeats = (j - i + p) // p
+            if repeats >= 2 and repeats * p > best_cover:
+                best, best_cover = (i, p, repeats), repeats * p
+            i = j + 1
+    return best
+
+
+def _repeat_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput], producer, consumers):
+    """``[(node ids, weight value ids)]`` per layer found by structural repetition."""
+    weights = [i for i in inputs if i.role == "param"]
+    if not weights:
+        weights = [
+            i for i in inputs if i.role == "other" and i.tensor.ndim >= 1 and is_float_dtype(i.tensor.dtype)
+        ]
+    uses = []
+    for w in weights:
+        fwd_uses = [c for c in consumers.get(w.value, ()) if nodes[c].phase == "forward"]
+        if not fwd_uses:
+            continue
+        first = min(fwd_uses)
+        n = nodes[first]
+        if n.primitive in ("scan", "while", "cond"):
+            continue
+        pos = n.inputs.index(w.value)
+        full = (n.primitive, pos, w.tensor.shape, w.tensor.dtype)
+        loose = (n.primitive, pos, w.tensor.ndim, w.tensor.dtype)
+        uses.append((first, w.index, w.value, full, loose))
+    uses.sort()
+    if len(uses) < 2:
+        return []
+    run = _best_run([u[3] for u in uses])
+    loose = [u[4] for u in uses]
+    if run is None:
+        run = _best_run(loose)
+        if run is None:
+            return []
+    start, p, repeats = run
+    unit = loose[start : start + p]
+    while start - p >= 0 and loose[start - p : start] == unit:
+        start, repeats = start - p, repeats + 1
+    while start + (repeats + 1) * p <= len(uses) and loose[start + repeats * p : start + (repeats + 1) * p] == unit:
+        repeats += 1
+
+    units = [uses[start + k * p : start + (k + 1) * p] for k in range(repeats)]
+    starts = [min(u[0] for u in unit_) for unit_ in units]
+    after = start + repeats * p
+    spans = [starts[k + 1] - starts[k] for k in range(repeats - 1)]
+    end = starts[-1] + (max(spans) if spans else len(nodes))
+    if after < len(uses):
+        end = min(end, uses[after][0])
+    bounds = [*starts[1:], end]
+
+    node_layer: dict[int, int] = {}
+    weight_layer: dict[int, int] = {}
+    for k, unit_ in enumerate(units):
+        for u in unit_:
+            weight_layer[u[2]] = k
+        for nid in range(starts[k], bounds[k]):
+            if nodes[nid].phase == "forward":
+                node_layer[nid] = k
+    # Backward: a weight read decides; else the most recently produced operand's layer.
+    value_layer: dict[int, int] = dict(weight_layer)
+    for nid, k in node_layer.items():
+        for v in nodes[nid].outputs:
+            value_layer[v] = k
+    for n in nodes:
+        if n.phase != "backward":
+            continue
+        ws = {weight_layer[v] for v in n.inputs if v in weight_layer}
+        k = None
+        if len(ws) == 1:
+            k = ws.pop()
+        else:
+            latest = -1
+            for v in n.inputs:
+                if v in value_layer and v not in weight_layer:
+                    src = producer.get(v, -1)
+                    if src > latest:
+                        latest, k = src, value_layer[v]
+        if k is not None:
+            node_layer[n.id] = k
+            for v in n.outputs:
+                value_layer[v] = k
+    out = []
+    for k, unit_ in enumerate(units):
+        ids = [nid for nid, kk in node_layer.items() if kk == k]
+        out.append((ids, [u[2] for u in unit_]))
+    return out
+
+
+# -- optimizer -----------------------------------------------------------------------------
+
+
+def _assign_optimizer(nodes, producer, consumers, node_proto, input_proto) -> None:
+    opt = [n for n in nodes if n.phase == "optimizer"]
+    for n in opt:
+        ks = set()
+        for v in n.inputs:
+            if v < 0:
+                continue
+            if v in input_proto:
+                ks.add(input_proto[v])
+            src = producer.get(v)
+            if src is not None and src in node_proto:
+                ks.add(node_proto[src])
+        if len(ks) == 1:
+            node_proto[n.id] = ks.pop()
+    for n in reversed(opt):
+        if n.id in node_proto:
+            continue
+        ks = {
+            node_proto.get(c)
+            for v in n.outputs
+            for c in consumers.get(v, ())
+            if nodes[c].phase == "optimizer"
+        }
+        if len(ks) == 1 and None not in ks:
+            node_proto[n.id] = ks.pop()
+
+
+# -- assembly ------------------------------------------------------------------------------
+
+
+def node_signature(n: Node) -> tuple:
+    """What makes two nodes structurally identical (no ids)."""
+    sig = (
+        n.phase,
+        n.primitive,
+        tuple((t.shape, t.dtype) for t in n.in_tensors),
+        tuple((t.shape, t.dtype) for t in n.out_tensors),
+        repr(sorted(n.params.items())),
+        n.length,
+    )
+    if n.body:
+        sig = (*sig, tuple(graph_signature(b) for b in n.body))
+    return sig
+
+
+def graph_signature(g: Graph) -> str:
+    """A short hash of all nodes of ``g`` (structure, shapes, dtypes, parameters)."""
+    return _hash([node_signature(n) for n in g.nodes])
+
+
+def _hash(items: list) -> str:
+    return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
+
+
+def _finish(nodes: Sequence[Node], protos: list[_Proto]) -> tuple[list[Layer], dict[int, int]]:
+    protos = sorted(protos, key=lambda p: p.order)
+    layers: list[Layer] = []
+    node_layer: dict[int, int] = {}
+    for p in protos:
+        ids = tuple(sorted(p.nodes))
+        by_phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
+        for i in ids:
+            by_phase[nodes[i].phase] += nodes[i].flops
+        sig = _hash([node_signature(nodes[i]) for i in ids])
+        first = len(layers)
+        for i in ids:
+            node_layer[i] = first
+        c = p.count
+        for it in range(c):
+            layers.append(
+                Layer(
+                    index=len(layers),
+                    name=f"{p.name}[{it}]" if p.kind == "scan" else p.name,
+                    kind=p.kind,  # type: ignore[arg-type]
+                    nodes=ids,
+                    flops=sum(by_phase.values()) / c,
+                    forward_flops=by_phase["forward"] / c,
+                    backward_flops=by_phase["backward"] / c,
+                    signature=sig,
+                    iteration=it if p.kind == "scan" else None,
+                    optimizer_flops=by_phase["optimizer"] / c,
+                )
+            )
+    return layers, node_layer

@@ -1,0 +1,44 @@
+"""Check a lowered plan against what XLA compiled: collectives and memory.
+
+Example:
+    >>> report = autopar.verify.verify(plan, lowered)        # doctest: +SKIP
+    >>> print(report)                                         # doctest: +SKIP
+"""
+
+from autopar.verify.hlo import (
+    KINDS,
+    HloCollective,
+    ParseHloError,
+    dump_spmd_hlo,
+    group_axes,
+    parse_collectives,
+    parse_replica_groups,
+    shape_bytes,
+)
+from autopar.verify.report import (
+    BYTES_TOLERANCE,
+    MEMORY_TOLERANCE,
+    UNPLANNED_SHARE,
+    MemoryRow,
+    VerifyReport,
+    VerifyRow,
+    verify,
+)
+
+__all__ = [
+    "BYTES_TOLERANCE",
+    "KINDS",
+    "MEMORY_TOLERANCE",
+    "UNPLANNED_SHARE",
+    "HloCollective",
+    "MemoryRow",
+    "ParseHloError",
+    "VerifyReport",
+    "VerifyRow",
+    "dump_spmd_hlo",
+    "group_axes",
+    "parse_collectives",
+    "parse_replica_groups",
+    "shape_bytes",
+    "verify",
+]

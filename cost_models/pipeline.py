@@ -1,0 +1,311 @@
+"""Pipeline schedules, simulated op by op: GPipe, 1F1B, interleaved 1F1B, zero-bubble (ZB-H1).
+
+Each device (pipeline stage) runs forward (F) and backward (B) ops of microbatches; with
+``chunks = v`` (interleaved) device i holds model chunks i, p + i, 2p + i, ... ("virtual
+stages"), each taking 1/v of the device's time. Dependencies: F of virtual stage k waits
+for F of stage k-1 (plus ``p2p`` seconds when they sit on different devices); B of stage k
+waits for B of stage k+1 (plus ``p2p``), and the last stage's B for its own F. Transfers
+are asynchronous: ``p2p`` delays the consumer, it does not occupy either device.
+
+The order of ops on each device is the schedule:
+
+* ``gpipe``: all forwards, then all backwards.
+* ``1f1b`` (PipeDream-flush, Megatron's non-interleaved schedule): stage i runs p-i-1
+  warm-up forwards, then alternates one forward and one backward, then drains backwards.
+* ``interleaved-1f1b`` (Megatron-LM 2021): microbatches go through the chunks in groups of
+  p; stage i warms up with 2(p-i-1) + (v-1)p chunk-forwards. Needs m % p == 0, as Megatron.
+* ``zero-bubble`` (ZB-H1, Qi et al. 2023): the backward splits into B (input gradient,
+  ``1 - bwd_weight_fraction`` of it) and W (weight gradient), which nothing downstream
+  waits for. Each device keeps 1F1B's order of F and B and runs its oldest pending W
+  whenever the next F/B is not ready yet, so W ops fill what would be bubbles; at most p
+  microbatches per device have F done and W not done (1F1B's peak). For uniform stages
+  the makespan is m(F+B+W) + (p-1)(F+B-W), the ZB-H1 paper's bubble.
+
+The simulation is event-driven (each op starts when its device is free and its inputs have
+arrived), not a closed formula; the closed formulas are what the tests check it against.
+
+``bubble_fraction`` is the paper's definition: (makespan - ideal) / ideal, where ideal is
+the busiest device's own work, m (fwd_i + bwd_i). For uniform stages without p2p it is
+(p-1)/m for GPipe and 1F1B and (p-1)/(v m) interleaved (Narayanan et al. 2021).
+
+Example:
+    >>> r = simulate_schedule("1f1b", [1.0] * 4, [2.0] * 4, microbatches=8)
+    >>> r.bubble_fraction, r.peak_inflight
+    (0.375, (4, 3, 2, 1))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from cost_models.errors import CostModelError, check_choice, check_int, check_positive
+from cost_models.memory import SCHEDULES
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+
+
+class TimelineEntry(NamedTuple):
+    """One op of the simulated schedule (for plots)."""
+
+    device: int
+    op: str  # "F", "B" or "W"
+    chunk: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """What a simulated pipeline schedule did.
+
+    Attributes:
+        makespan: seconds from the first op's start to the last op's end.
+        bubble_fraction: (makespan - ideal) / ideal, ideal = busiest device's work.
+        peak_inflight: per device, the most (microbatch, chunk) activations alive at once
+            (F done, B not done; zero-bubble: W not done). Divide by ``chunks`` for
+            microbatch-equivalents.
+        busy: per device, seconds of work.
+        timeline: every op, for plots.
+    """
+
+    makespan: float
+    bubble_fraction: float
+    peak_inflight: tuple[int, ...]
+    busy: tuple[float, ...] = ()
+    timeline: tuple[TimelineEntry, ...] = ()
+
+    @property
+    def bubble_s(self) -> float:
+        """Idle seconds on the busiest device: makespan - its work."""
+        return self.makespan - max(self.busy) if self.busy else 0.0
+
+
+Op = tuple[str, int, int]  # (kind, virtual stage, microbatch)
+
+
+def simulate_schedule(
+    schedule: ScheduleName,
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    microbatches: int,
+    p2p: float = 0.0,
+    chunks: int = 1,
+    bwd_weight_fraction: float = 0.5,
+) -> ScheduleResult:
+    """Simulate one training iteration's pipeline (see the module docstring).
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zero-bubble"``.
+        fwd: per device, seconds of forward for one microbatch (all its chunks together).
+        bwd: per device, seconds of backward for one microbatch (input + weight gradients).
+        microbatches: m, microbatches per iteration.
+        p2p: seconds to move one activation (or its gradient) between devices.
+        chunks: v, model chunks per device (interleaved only).
+        bwd_weight_fraction: zero-bubble only: share of ``bwd`` that is weight gradient (W).
+
+    Example:
+        >>> r = simulate_schedule("interleaved-1f1b", [1.0] * 4, [2.0] * 4, 8, chunks=2)
+        >>> r.bubble_fraction
+        0.1875
+    """
+    check_choice("schedule", schedule, SCHEDULES)
+    p = len(fwd)
+    if p == 0 or len(bwd) != p:
+        raise CostModelError(
+            f"fwd and bwd need one time per stage and the same length; got {len(fwd)} and {len(bwd)}"
+        )
+    for i, (f, b) in enumerate(zip(fwd, bwd, strict=True)):
+        check_positive(f"fwd[{i}]", f, allow_zero=True)
+        check_positive(f"bwd[{i}]", b, allow_zero=True)
+    m = check_int("microbatches", microbatches)
+    v = check_int("chunks", chunks)
+    check_positive("p2p", p2p, allow_zero=True)
+    check_positive("bwd_weight_fraction", bwd_weight_fraction, allow_zero=True)
+    if bwd_weight_fraction > 1:
+        raise CostModelError(f"bwd_weight_fraction must be in [0, 1]; got {bwd_weight_fraction!r}")
+    if v > 1 and schedule != "interleaved-1f1b":
+        raise CostModelError(f"chunks > 1 needs schedule='interleaved-1f1b'; got {schedule!r}")
+    if schedule == "interleaved-1f1b" and v > 1 and m % p:
+        raise CostModelError(
+            f"interleaved-1f1b needs microbatches divisible by the pipeline size "
+            f"(Megatron's rule); got m={m}, p={p}"
+        )
+
+    sim = _Sim(p, v, m, [float(x) for x in fwd], [float(x) for x in bwd], float(p2p))
+    if schedule == "zero-bubble":
+        sim.run_greedy_zb(bwd_weight_fraction, [_order("1f1b", d, p, m, 1) for d in range(p)])
+    else:
+        sim.run_fixed([_order(schedule, d, p, m, v) for d in range(p)])
+    return sim.result()
+
+
+def _order(schedule: str, d: int, p: int, m: int, v: int) -> list[Op]:
+    """The op order of device d (virtual stage of chunk c on device d is c * p + d)."""
+    if schedule == "gpipe":
+        return [("F", d, j) for j in range(m)] + [("B", d, j) for j in range(m)]
+    if schedule == "1f1b" or v == 1:
+        warm = min(p - d - 1, m)
+        order: list[Op] = [("F", d, j) for j in range(warm)]
+        for j in range(m - warm):
+            order += [("F", d, warm + j), ("B", d, j)]
+        order += [("B", d, j) for j in range(m - warm, m)]
+        return order
+    # Megatron-LM interleaved schedule (schedules.py, forward_backward_pipelining_with_interleaving)
+    total = m * v
+
+    def fwd_op(k: int) -> Op:
+        chunk = (k // p) % v
+        return ("F", chunk * p + d, (k // (p * v)) * p + k % p)
+
+    def bwd_op(k: int) -> Op:
+        chunk = v - 1 - (k // p) % v
+        return ("B", chunk * p + d, (k // (p * v)) * p + k % p)
+
+    warm = total if m == p else min((p - d - 1) * 2 + (v - 1) * p, total)
+    order = [fwd_op(k) for k in range(warm)]
+    for k in range(total - warm):
+        order += [fwd_op(warm + k), bwd_op(k)]
+    order += [bwd_op(k) for k in range(total - warm, total)]
+    return order
+
+
+class _Sim:
+    """Shared state of both simulation policies."""
+
+    def __init__(self, p: int, v: int, m: int, fwd: list[float], bwd: list[float], p2p: float):
+        self.p, self.v, self.m = p, v, m
+        self.fwd, self.bwd, self.p2p = fwd, bwd, p2p
+        self.stages = p * v
+        self.finish: dict[Op, float] = {}
+        self.timeline: list[TimelineEntry] = []
+        self.free = [0.0] * p
+        self.busy = [0.0] * p
+        self.alive = [0] * p
+        self.peak = [0] * p
+        self.w_fraction = 0.0
+
+    def device(self, stage: int) -> int:
+        return stage % self.p
+
+    def duration(self, op: Op) -> float:
+        kind, stage, _ = op
+        d = self.device(stage)
+        if kind == "F":
+            return self.fwd[d] / self.v
+        if kind == "B":
+            return self.bwd[d] / self.v * (1.0 - self.w_fraction)
+        return self.bwd[d] / self.v * self.w_fraction
+
+    def deps(self, op: Op) -> list[Op]:
+        kind, stage, j = op
+        if kind == "F":
+            return [("F", stage - 1, j)] if stage > 0 else []
+        if kind == "B":
+            if stage == self.stages - 1:
+                return [("F", stage, j)]
+            return [("B", stage + 1, j)]
+        return [("B", stage, j)]
+
+    def ready_time(self, op: Op) -> float | None:
+        """When op's inputs are on its device, or None if some input is not scheduled yet."""
+        t = 0.0
+        d = self.device(op[1])
+        for dep in self.deps(op):
+            end = self.finish.get(dep)
+            if end is None:
+                return None
+            t = max(t, end + (self.p2p if self.device(dep[1]) != d else 0.0))
+        return t
+
+    def start(self, op: Op, t: float, frees_memory: str) -> None:
+        kind, stage, j = op
+        d = self.device(stage)
+        dur = self.duration(op)
+        end = t + dur
+        self.finish[op] = end
+        self.free[d] = end
+        self.busy[d] += dur
+        self.timeline.append(TimelineEntry(d, kind, stage // self.p, j, t, end))
+        if kind == "F":
+            self.alive[d] += 1
+            self.peak[d] = max(self.peak[d], self.alive[d])
+        elif kind == frees_memory:
+            self.alive[d] -= 1
+
+    def run_fixed(self, orders: list[list[Op]]) -> None:
+        ptr = [0] * self.p
+        remaining = sum(len(o) for o in orders)
+        while remaining:
+            progressed = False
+            for d in range(self.p):
+                order = orders[d]
+                while ptr[d] < len(order):
+                    op = order[ptr[d]]
+                    ready = self.ready_time(op)
+                    if ready is None:
+                        break
+                    self.start(op, max(self.free[d], ready), frees_memory="B")
+                    ptr[d] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:  # pragma: no cover - would be a bug in _order
+                raise CostModelError("pipeline schedule deadlocked (inconsistent op order)")
+
+    def run_greedy_zb(self, w_fraction: float, orders: list[list[Op]]) -> None:
+        """1F1B's F/B order per device; a pending W runs whenever the next F/B is not ready."""
+        self.w_fraction = w_fraction
+        p = self.p
+        ptr = [0] * p
+        pending_w: list[list[Op]] = [[] for _ in range(p)]
+        f_done = [0] * p
+        w_done = [0] * p
+        remaining = sum(len(o) for o in orders) * 3 // 2
+        inf = float("inf")
+        while remaining:
+            best: tuple[float, int, Op] | None = None
+            for d in range(p):
+                t_ord = inf
+                op: Op | None = orders[d][ptr[d]] if ptr[d] < len(orders[d]) else None
+                if op is not None and (op[0] != "F" or f_done[d] - w_done[d] < p):
+                    r = self.ready_time(op)
+                    if r is not None:
+                        t_ord = max(self.free[d], r)
+                if op is not None and t_ord <= self.free[d]:
+                    choice = (self.free[d], d, op)
+                elif pending_w[d]:
+                    choice = (self.free[d], d, pending_w[d][0])
+                elif op is not None and t_ord < inf:
+                    choice = (t_ord, d, op)
+                else:
+                    continue
+                if best is None or choice[:2] < best[:2]:
+                    best = choice
+            if best is None:  # pragma: no cover - the order always leaves a W or a ready op
+                raise CostModelError("zero-bubble schedule deadlocked")
+            t, d, op = best
+            self.start(op, t, frees_memory="W")
+            if op[0] == "W":
+                pending_w[d].pop(0)
+                w_done[d] += 1
+            else:
+                ptr[d] += 1
+                if op[0] == "F":
+                    f_done[d] += 1
+                else:
+                    pending_w[d].append(("W", op[1], op[2]))
+            remaining -= 1
+
+    def result(self) -> ScheduleResult:
+        makespan = max(e.end for e in self.timeline) if self.timeline else 0.0
+        ideal = max(self.busy)
+        bubble = (makespan - ideal) / ideal if ideal > 0 else 0.0
+        return ScheduleResult(
+            makespan=makespan,
+            bubble_fraction=bubble,
+            peak_inflight=tuple(self.peak),
+            busy=tuple(self.busy),
+            timeline=tuple(self.timeline),
+        )
