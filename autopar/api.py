@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from autopar.cache import PlanCache, plan_key, signature_fingerprint
-from autopar.errors import AutoparError, InvalidOptionError, LoadPlanError
+from autopar.errors import AutoparError, InvalidOptionError, LoadPlanError, UnknownPresetError
 from autopar.options import LoweringOptions, SearchOptions
 from autopar.plan import Plan
 from autopar.trace import Graph, trace
@@ -27,7 +27,12 @@ def _resolve_cluster(cluster: Cluster | str | None) -> Cluster:
     if cluster is None:
         return Cluster.local()
     if isinstance(cluster, str):
-        return Cluster.preset(cluster)
+        from cost_models import CostModelError
+
+        try:
+            return Cluster.preset(cluster)
+        except CostModelError as e:
+            raise UnknownPresetError(f"cluster {cluster!r}: {e}") from e
     if not isinstance(cluster, Cluster):
         raise InvalidOptionError(
             f"cluster={cluster!r} must be a cost_models.Cluster, a preset name such as "

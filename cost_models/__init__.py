@@ -29,7 +29,13 @@ from cost_models.collectives import (
     collective_time,
 )
 from cost_models.compute import OP_KINDS, compute_time, dtype_bytes, matmul_time
-from cost_models.devices import DEVICES, DeviceSpec, canonical_dtype, device_for_jax_kind, get_device
+from cost_models.devices import (
+    DEVICES,
+    DeviceSpec,
+    canonical_dtype,
+    device_for_jax_kind,
+    get_device,
+)
 from cost_models.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from cost_models.errors import CostModelError
 from cost_models.memory import (

@@ -32,8 +32,9 @@ Algorithms (B = nbytes, bw/α = bandwidth and per-step latency of the link level
   pays the per-device network bandwidth on the full buffer; this is what makes ZeRO-3 /
   FSDP over a whole data-parallel group of DGX nodes slow, and it reproduces Megatron-LM
   2021 Table 2 (ZeRO-3 175B: 144 -> 44 TFLOP/s/GPU from 384 to 1536 GPUs); credited with
-  NIC striping it would predict ~130 at 1536. Ask for ``hierarchical`` explicitly for
-  gathers that are two-level (hybrid sharding, ZeRO++ hpZ).
+  NIC striping (8 x 25 GB/s per ring) it would predict ~190 at 1536, above PTD-P. Ask
+  for ``hierarchical`` explicitly for gathers that are two-level (hybrid sharding,
+  ZeRO++ hpZ).
 * ``all-to-all``: pairwise exchange. In a node ``(n-1)/n B/bw``; across nodes the intra and
   network parts proceed in parallel: ``max((k-1)/n B/bw_intra, (n-k)/n B/bw_inter)``. On a
   torus the bisection limits it: ``max((n-1)/n, e d / 4) B / bw`` with e the longest
@@ -64,7 +65,13 @@ from cost_models.cluster import Cluster, GroupLayout
 from cost_models.errors import CostModelError, check_choice, check_int, check_positive
 
 CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p"]
-COLLECTIVE_KINDS: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p")
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "p2p",
+)
 Algorithm = Literal["auto", "ring", "tree", "hierarchical"]
 ALGORITHMS: tuple[str, ...] = ("auto", "ring", "tree", "hierarchical")
 
@@ -260,7 +267,9 @@ def _tree(nbytes: float, cluster: Cluster, layout: GroupLayout) -> float:
     bw = min(level.bandwidth for level in levels)
     if layout.spans_nodes:
         k = layout.per_node
-        lat = (k - 1) * cluster.intra.latency + math.ceil(math.log2(layout.nodes)) * cluster.inter.latency
+        lat = (k - 1) * cluster.intra.latency + math.ceil(
+            math.log2(layout.nodes)
+        ) * cluster.inter.latency
     else:
         lat = (layout.size - 1) * cluster.intra.latency  # a chain inside the node
     return 2.0 * nbytes / bw + 2.0 * lat

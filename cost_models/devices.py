@@ -130,7 +130,9 @@ class DeviceSpec:
     def __post_init__(self) -> None:
         check_choice("DeviceSpec.kind", self.kind, DEVICE_KINDS)
         if not self.peak_flops:
-            raise CostModelError(f"DeviceSpec {self.name!r}: peak_flops must name at least one dtype")
+            raise CostModelError(
+                f"DeviceSpec {self.name!r}: peak_flops must name at least one dtype"
+            )
         flops = {canonical_dtype(k): float(v) for k, v in self.peak_flops.items()}
         for k, v in flops.items():
             check_positive(f"DeviceSpec {self.name!r} peak_flops[{k!r}]", v)
@@ -143,7 +145,9 @@ class DeviceSpec:
             # Unknown vector rate: an order-of-magnitude stand-in (elementwise ops are
             # HBM-bound on every catalog device, so this rarely decides anything).
             object.__setattr__(self, "vector_flops", max(flops.values()) / 16.0)
-        object.__setattr__(self, "jax_device_kinds", tuple(s.lower() for s in self.jax_device_kinds))
+        object.__setattr__(
+            self, "jax_device_kinds", tuple(s.lower() for s in self.jax_device_kinds)
+        )
 
     def flops_for(self, dtype: object) -> float:
         """Dense matmul peak FLOP/s for ``dtype``, with documented fallbacks.
@@ -364,4 +368,3 @@ def device_for_jax_kind(device_kind: str, platform: str = "") -> DeviceSpec | No
     if best is None and platform.lower() == "cpu":
         return DEVICES["cpu-sim"]
     return None if best is None else best[1]
-

@@ -9,17 +9,26 @@ all-reduces and ZeRO-3 gathers; the event-driven pipeline simulator (pipeline.py
 schedule; and the overlap model (overlap.py). It is a check of the cost model against
 published measurements (Tables 1 and 2, ../shared/reference), not part of the planner.
 
-ONE set of constants serves every row (:data:`MEGATRON_2021`); nothing is tuned per row:
+ONE set of constants serves every row; nothing is tuned per row:
 
-* the DGX A100 80GB cluster preset (links, overlap efficiency) as it is;
-* the matmul efficiency curve with ``half_dim`` 64 (the default) and ``peak_fraction``
-  fitted once, by least squares on log throughput over all ten Table 1 rows; it stands for
-  what Megatron-LM's 2021 kernels (PyTorch + cuBLAS on A100) reach on large GEMMs, below
-  the default curve's H200 figure; Table 2 is then predicted with no further fitting;
-* the fused-kernel traffic of a Megatron layer (listed in ``_layer_times``), fp16
-  activations and gradients, full activation recomputation, scatter/gather pipeline sends;
-* microbatch b = 1 unless the table gives it (the repo's 175B script uses 1), and v =
-  the smallest divisor >= 2 of the layers per stage when p > 1 (the paper does not give v).
+* the ``dgx-a100-80gb`` cluster preset as it is (NVLink 230 GB/s and InfiniBand 25 GB/s
+  per GPU bus bandwidth, NCCL per-step latencies, ``overlap_efficiency`` 0.6), wrapped by
+  :func:`selene`;
+* the default matmul efficiency curve (``half_dim`` 64, HBM fraction 0.88) with its
+  ``peak_fraction`` set to 0.69: fitted once, by least squares on log throughput over all
+  ten Table 1 rows (:func:`fit_peak_fraction`). It stands for what Megatron-LM's 2021
+  kernels (PyTorch + cuBLAS on A100) reached on large GEMMs, 84% of the default curve's
+  H200-measured 0.82. ``overlap_efficiency`` (cluster.py) is the only other fitted number,
+  on Table 2's six ZeRO-3 rows (PTD-P rows do not overlap communication);
+* the workload constants of :class:`Assumptions`: the fused-kernel traffic of a Megatron
+  layer (listed in ``_layer_times``), fp16 activations and gradients, full activation
+  recomputation, scatter/gather pipeline sends, gradients all-reduced after the pipeline
+  flush (no overlap, as Megatron-LM 2021);
+* microbatch b = 1 unless the table gives it (the repo's 175B script uses 1), and v = the
+  smallest divisor >= 2 of the layers per stage when p > 1 (the paper does not give v);
+* DeepSpeed ZeRO-3: per microbatch, every layer's parameters are all-gathered three times
+  (forward, recomputed forward, backward) and its gradients reduce-scattered once, over
+  the whole data-parallel group with ``algorithm="auto"`` (a ring, as NCCL does for these).
 
 Run ``python -m cost_models.megatron`` for the comparison table.
 
@@ -32,8 +41,8 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cost_models.cluster import Cluster
@@ -109,9 +118,12 @@ class Parallel:
 
 @dataclass(frozen=True)
 class Assumptions:
-    """The constants of the Megatron estimate (one set for every row; see the module doc)."""
+    """The workload constants of the Megatron estimate (one set for every row).
 
-    efficiency: Efficiency
+    The hardware constants (matmul efficiency, links, overlap) live in the cluster; see
+    :func:`selene`.
+    """
+
     act_bytes: int = 2  # fp16 activations (the paper trains in fp16 mixed precision)
     grad_bytes: int = 2  # fp16 gradients in the data-parallel all-reduce / reduce-scatter
     # Mixed-precision Adam step, HBM bytes per parameter: fp16 grad -> fp32 copy (2 + 4),
@@ -127,14 +139,15 @@ class Assumptions:
     source: str = ""
 
 
-# Fitted once over Table 1 (see the module docstring and the test that re-derives it).
-MEGATRON_2021_PEAK_FRACTION = 0.62
 MEGATRON_2021 = Assumptions(
-    efficiency=Efficiency(
-        peak_fraction=MEGATRON_2021_PEAK_FRACTION,
-        source="fitted once to Megatron-LM 2021 Table 1 (all rows), half_dim 64 as default",
-    ),
     source="Narayanan et al. SC'21 setup: fp16, full recompute, scatter/gather, Selene DGX A100",
+)
+# Fitted once: the value of ``fit_peak_fraction()`` over all ten Table 1 rows, rounded.
+MEGATRON_2021_PEAK_FRACTION = 0.69
+MEGATRON_2021_EFFICIENCY = Efficiency(
+    peak_fraction=MEGATRON_2021_PEAK_FRACTION,
+    source="matmul peak_fraction fitted once to Megatron-LM 2021 Table 1 (all ten rows, "
+    "log least squares); half_dim 64 and HBM fraction 0.88 as the default curve",
 )
 
 
@@ -145,8 +158,10 @@ class IterationEstimate:
     Attributes:
         time_s: seconds per iteration.
         tflops_per_gpu: the paper's accounting: F(B, s, l, h, V) / (time * gpus).
-        breakdown: seconds by part (compute, tensor, bubble, dp_grad, fsdp_gather,
-            pipeline_p2p, optimizer), exposed parts only for communication.
+        breakdown: seconds by part, summing to ``time_s``: ``compute`` (the busiest
+            device's compute, optimizer step included), ``bubble`` and the *exposed*
+            seconds of each communication class (``tensor``, ``dp_grad``,
+            ``fsdp_gather``); ``optimizer`` repeats the optimizer step's share of compute.
         chunks: v used.
         microbatches: m used.
     """
@@ -177,11 +192,22 @@ def default_chunks(layers: int, p: int, m: int) -> int:
     return 1
 
 
-def selene(gpus: int) -> Cluster:
-    """The DGX A100 80GB cluster of the paper (Selene), with ``gpus`` GPUs (8 per node)."""
+def selene(gpus: int, efficiency: Efficiency = MEGATRON_2021_EFFICIENCY) -> Cluster:
+    """The paper's cluster (Selene: DGX A100 80GB nodes) with ``gpus`` GPUs, 8 per node.
+
+    The ``dgx-a100-80gb`` preset as it is, except that the A100's matmul efficiency is
+    :data:`MEGATRON_2021_EFFICIENCY` (what Megatron-LM's 2021 kernels reached). Use this
+    cluster to score Megatron configurations with the rest of the cost model too.
+
+    Example:
+        >>> selene(16).device.efficiency.peak_fraction
+        0.69
+    """
     if gpus % 8:
         raise CostModelError(f"Selene nodes hold 8 GPUs; {gpus} GPUs do not fill nodes")
-    return Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
+    base = Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
+    device = replace(base.device, efficiency=efficiency)
+    return replace(base, name="selene", device=device)
 
 
 @dataclass(frozen=True)
@@ -195,7 +221,7 @@ def _layer_times(
     model: GPT, par: Parallel, cluster: Cluster, mesh: Mapping[str, int], asm: Assumptions
 ) -> _LayerTimes:
     """Per-kernel roofline of one transformer layer (Megatron-LM 2021 kernels, t-way TP)."""
-    dev, eff, by = cluster.device, asm.efficiency, asm.act_bytes
+    dev, eff, by = cluster.device, cluster.device.efficiency, asm.act_bytes
     s, b, h, a, t = model.s, par.b, model.h, model.a, par.t
     tokens = b * s
     dh = h // a
@@ -265,7 +291,9 @@ def estimate_iteration(
     """
     cluster = selene(par.gpus) if cluster is None else cluster
     if cluster.num_devices < par.gpus:
-        raise CostModelError(f"{par.gpus} GPUs needed, cluster {cluster.name!r} has {cluster.num_devices}")
+        raise CostModelError(
+            f"{par.gpus} GPUs needed, cluster {cluster.name!r} has {cluster.num_devices}"
+        )
     if model.l % par.p:
         raise CostModelError(f"{model.l} layers do not split over p={par.p} stages")
     mesh = {"pipe": par.p, "data": par.d, "tensor": par.t}  # Megatron's rank order
@@ -276,20 +304,29 @@ def estimate_iteration(
     return _ptdp(model, par, cluster, mesh, asm, lt)
 
 
-def _head_and_embedding(model: GPT, par: Parallel, cluster: Cluster, asm: Assumptions) -> tuple[float, float]:
+def _head_and_embedding(
+    model: GPT, par: Parallel, cluster: Cluster, asm: Assumptions
+) -> tuple[float, float]:
     """(forward, backward) seconds of the vocabulary-parallel output layer + cross-entropy."""
-    dev, eff, by = cluster.device, asm.efficiency, asm.act_bytes
+    dev, eff, by = cluster.device, cluster.device.efficiency, asm.act_bytes
     tokens = par.b * model.s
     vt = model.V / par.t
     m, n, k = tokens, vt, model.h
-    logits = compute_time(2.0 * m * n * k, (m * k + k * n + m * n) * by, dev, "float16", "matmul", (m, n, k), eff)
+    logits = compute_time(
+        2.0 * m * n * k, (m * k + k * n + m * n) * by, dev, "float16", "matmul", (m, n, k), eff
+    )
     # fp32 softmax cross-entropy over the logits: ~12 bytes per logit each way
     ce = compute_time(0.0, 12.0 * tokens * vt, dev, "float16", "elementwise", None, eff)
     return logits + ce, 2.0 * logits + ce
 
 
 def _ptdp(
-    model: GPT, par: Parallel, cluster: Cluster, mesh: Mapping[str, int], asm: Assumptions, lt: _LayerTimes
+    model: GPT,
+    par: Parallel,
+    cluster: Cluster,
+    mesh: Mapping[str, int],
+    asm: Assumptions,
+    lt: _LayerTimes,
 ) -> IterationEstimate:
     p, t, m = par.p, par.t, par.microbatches
     v = par.v if par.v is not None else default_chunks(model.l, p, m)
@@ -314,7 +351,11 @@ def _ptdp(
         send = collective_time(
             "p2p", sbh_bytes / (t if asm.scatter_gather else 1), cluster, mesh, ["pipe"]
         )
-        gather = collective_time("all-gather", sbh_bytes, cluster, mesh, ["tensor"]) if asm.scatter_gather else 0.0
+        gather = (
+            collective_time("all-gather", sbh_bytes, cluster, mesh, ["tensor"])
+            if asm.scatter_gather
+            else 0.0
+        )
         sched = simulate_schedule(
             "interleaved-1f1b" if v > 1 else "1f1b", fwd, bwd, m, p2p=send + gather, chunks=v
         )
@@ -338,7 +379,9 @@ def _ptdp(
     if p > 1:  # tied word embeddings: first and last stage all-reduce their gradient
         emb_mesh = {"pipe": 2, "rest": par.d * t}
         dp += collective_time("all-reduce", embed * asm.grad_bytes, cluster, emb_mesh, ["pipe"])
-    opt = compute_time(0.0, params_gpu * asm.optimizer_bytes_per_param, cluster.device, kind="elementwise")
+    opt = compute_time(
+        0.0, params_gpu * asm.optimizer_bytes_per_param, cluster.device, kind="elementwise"
+    )
     bwd_for_overlap = m * bwd_c[busiest] if asm.overlap_dp_grad else 0.0
     step = compose_step_time(
         compute_s + opt,
@@ -351,7 +394,12 @@ def _ptdp(
 
 
 def _zero3(
-    model: GPT, par: Parallel, cluster: Cluster, mesh: Mapping[str, int], asm: Assumptions, lt: _LayerTimes
+    model: GPT,
+    par: Parallel,
+    cluster: Cluster,
+    mesh: Mapping[str, int],
+    asm: Assumptions,
+    lt: _LayerTimes,
 ) -> IterationEstimate:
     m = par.microbatches
     head_f, head_b = _head_and_embedding(model, par, cluster, asm)
@@ -372,7 +420,9 @@ def _zero3(
     gather = m * (3 * model.l * ag(layer_bytes) + 2 * ag(embed_bytes))
     scatter = m * (model.l * rs(layer_bytes) + rs(embed_bytes))
     params_gpu = model.num_params / par.d
-    opt = compute_time(0.0, params_gpu * asm.optimizer_bytes_per_param, cluster.device, kind="elementwise")
+    opt = compute_time(
+        0.0, params_gpu * asm.optimizer_bytes_per_param, cluster.device, kind="elementwise"
+    )
     compute_s = m * (fwd + bwd)
     step = compose_step_time(
         compute_s + opt,
@@ -449,37 +499,57 @@ class Row:
         return self.estimate.tflops_per_gpu / self.published - 1.0
 
 
-def table1(assumptions: Assumptions = MEGATRON_2021) -> list[Row]:
-    """Our predictions for every Table 1 row (b = 1, default v)."""
+def table1(
+    efficiency: Efficiency = MEGATRON_2021_EFFICIENCY, labels: Sequence[str] | None = None
+) -> list[Row]:
+    """Our predictions for Table 1's rows (all, or those whose label is in ``labels``).
+
+    b = 1, v by :func:`default_chunks`, on :func:`selene` with ``efficiency``.
+
+    Example:
+        >>> [round(r.error, 2) for r in table1(labels=["1.7B"])]
+        [0.0]
+    """
     rows = []
     for params_b, a, h, l, t, p, gpus, B, tf in TABLE1:  # noqa: E741
+        label = f"{params_b}B"
+        if labels is not None and label not in labels:
+            continue
         model = GPT(l=l, h=h, a=a)
         par = Parallel(t=t, p=p, d=gpus // (t * p), B=B, b=1)
-        rows.append(Row(1, f"{params_b}B", model, par, tf, estimate_iteration(model, par, None, assumptions)))
+        est = estimate_iteration(model, par, selene(gpus, efficiency))
+        rows.append(Row(1, label, model, par, tf, est))
     return rows
 
 
-def table2(assumptions: Assumptions = MEGATRON_2021) -> list[Row]:
-    """Our predictions for every Table 2 row."""
+def table2(
+    efficiency: Efficiency = MEGATRON_2021_EFFICIENCY, labels: Sequence[str] | None = None
+) -> list[Row]:
+    """Our predictions for Table 2's rows (labels like ``"zero3 174.6B x384"``)."""
     rows = []
     for scheme, params_b, t, p, B, gpus, b, tf in TABLE2:
+        label = f"{scheme} {params_b}B x{gpus}"
+        if labels is not None and label not in labels:
+            continue
         model = TABLE2_MODELS[params_b]
         par = Parallel(t=t, p=p, d=gpus // (t * p), B=B, b=b, scheme=scheme)  # type: ignore[arg-type]
-        label = f"{scheme} {params_b}B x{gpus}"
-        rows.append(Row(2, label, model, par, tf, estimate_iteration(model, par, None, assumptions)))
+        est = estimate_iteration(model, par, selene(gpus, efficiency))
+        rows.append(Row(2, label, model, par, tf, est))
     return rows
 
 
-def fit_peak_fraction(rows_fn=table1, lo: float = 0.3, hi: float = 1.0) -> float:
+def fit_peak_fraction(
+    rows_fn: Callable[..., list[Row]] = table1, lo: float = 0.3, hi: float = 1.0
+) -> float:
     """The matmul ``peak_fraction`` minimising the squared log error over ``rows_fn``'s rows.
 
-    Golden-section search; this is how :data:`MEGATRON_2021_PEAK_FRACTION` was obtained
-    (rounded to two digits).
+    Golden-section search; :data:`MEGATRON_2021_PEAK_FRACTION` is this over Table 1,
+    rounded to two digits.
     """
 
     def loss(pf: float) -> float:
-        asm = Assumptions(efficiency=Efficiency(peak_fraction=pf))
-        return sum(math.log(r.estimate.tflops_per_gpu / r.published) ** 2 for r in rows_fn(asm))
+        rows = rows_fn(Efficiency(peak_fraction=pf))
+        return sum(math.log(r.estimate.tflops_per_gpu / r.published) ** 2 for r in rows)
 
     g = (math.sqrt(5) - 1) / 2
     a, b = lo, hi
@@ -502,27 +572,57 @@ def _print_tables() -> None:  # pragma: no cover - CLI output
     from rich.table import Table
 
     console = Console()
-    for title, rows in (("Megatron-LM 2021 Table 1 (PTD-P, weak scaling)", table1()),
-                        ("Megatron-LM 2021 Table 2 (PTD-P vs ZeRO-3)", table2())):
+    for title, rows in (
+        ("Megatron-LM 2021 Table 1 (PTD-P, weak scaling)", table1()),
+        ("Megatron-LM 2021 Table 2 (PTD-P vs ZeRO-3)", table2()),
+    ):
         tab = Table(title=title)
-        for col in ("model", "t", "p", "d", "b", "v", "m", "published", "predicted", "error",
-                    "compute", "tensor", "bubble", "dp/rs", "gather", "iter s"):
+        for col in (
+            "model",
+            "t",
+            "p",
+            "d",
+            "b",
+            "v",
+            "m",
+            "published",
+            "predicted",
+            "error",
+            "compute",
+            "tensor",
+            "bubble",
+            "dp/rs",
+            "gather",
+            "iter s",
+        ):
             tab.add_column(col, justify="right")
         for r in rows:
             e, bd = r.estimate, r.estimate.breakdown
             tab.add_row(
-                r.label, str(r.par.t), str(r.par.p), str(r.par.d), str(r.par.b), str(e.chunks),
-                str(e.microbatches), f"{r.published:.0f}", f"{e.tflops_per_gpu:.1f}",
+                r.label,
+                str(r.par.t),
+                str(r.par.p),
+                str(r.par.d),
+                str(r.par.b),
+                str(e.chunks),
+                str(e.microbatches),
+                f"{r.published:.0f}",
+                f"{e.tflops_per_gpu:.1f}",
                 f"{100 * r.error:+.1f}%",
-                f"{bd.get('compute', 0):.2f}", f"{bd.get('tensor', 0):.2f}", f"{bd.get('bubble', 0):.2f}",
-                f"{bd.get('dp_grad', 0):.2f}", f"{bd.get('fsdp_gather', 0):.2f}", f"{e.time_s:.2f}",
+                f"{bd.get('compute', 0):.2f}",
+                f"{bd.get('tensor', 0):.2f}",
+                f"{bd.get('bubble', 0):.2f}",
+                f"{bd.get('dp_grad', 0):.2f}",
+                f"{bd.get('fsdp_gather', 0):.2f}",
+                f"{e.time_s:.2f}",
             )
         console.print(tab)
-    a = MEGATRON_2021
+    c = selene(8)
+    e = c.device.efficiency
     console.print(
-        f"constants: matmul peak_fraction={a.efficiency.peak_fraction} half_dim={a.efficiency.half_dim} "
-        f"memory_fraction={a.efficiency.memory_fraction}; cluster dgx-a100-80gb "
-        f"(nvlink 230 GB/s, IB 25 GB/s per GPU, overlap {selene(8).overlap_efficiency})"
+        f"constants: matmul peak_fraction={e.peak_fraction} half_dim={e.half_dim} "
+        f"memory_fraction={e.memory_fraction}; links nvlink {c.intra.bandwidth / 1e9:.0f} GB/s, "
+        f"IB {c.inter.bandwidth / 1e9:.0f} GB/s per GPU; overlap_efficiency {c.overlap_efficiency}"
     )
 
 

@@ -192,7 +192,9 @@ def megatron_flops_per_iteration(
     return 72.0 * B * s * l * h * h * (1.0 + s / (6.0 * h) + V / (12.0 * l * h))
 
 
-def tensor_parallel_bytes_per_layer(b: int, s: int, h: int, t: int, bytes_per_elem: int = 2) -> float:
+def tensor_parallel_bytes_per_layer(
+    b: int, s: int, h: int, t: int, bytes_per_elem: int = 2
+) -> float:
     """Bytes one device sends for tensor parallelism per layer per microbatch.
 
     Megatron-LM 2021: "tensors of total size b s h need to be all-reduced among t model
@@ -228,4 +230,3 @@ def pipeline_p2p_bytes(
         check_int(name, val)
     elems = float(b) * s * h
     return elems * bytes_per_elem / (t if scatter_gather else 1)
-

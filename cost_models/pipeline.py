@@ -68,7 +68,7 @@ class ScheduleResult:
             (F done, B not done; zero-bubble: W not done). Divide by ``chunks`` for
             microbatch-equivalents.
         busy: per device, seconds of work.
-        timeline: every op, for plots.
+        timeline: every op, for plots (empty unless asked for).
     """
 
     makespan: float
@@ -94,6 +94,7 @@ def simulate_schedule(
     p2p: float = 0.0,
     chunks: int = 1,
     bwd_weight_fraction: float = 0.5,
+    timeline: bool = False,
 ) -> ScheduleResult:
     """Simulate one training iteration's pipeline (see the module docstring).
 
@@ -105,6 +106,7 @@ def simulate_schedule(
         p2p: seconds to move one activation (or its gradient) between devices.
         chunks: v, model chunks per device (interleaved only).
         bwd_weight_fraction: zero-bubble only: share of ``bwd`` that is weight gradient (W).
+        timeline: also return every op's start and end (for plots; costs time and memory).
 
     Example:
         >>> r = simulate_schedule("interleaved-1f1b", [1.0] * 4, [2.0] * 4, 8, chunks=2)
@@ -134,7 +136,7 @@ def simulate_schedule(
             f"(Megatron's rule); got m={m}, p={p}"
         )
 
-    sim = _Sim(p, v, m, [float(x) for x in fwd], [float(x) for x in bwd], float(p2p))
+    sim = _Sim(p, v, m, [float(x) for x in fwd], [float(x) for x in bwd], float(p2p), timeline)
     if schedule == "zero-bubble":
         sim.run_greedy_zb(bwd_weight_fraction, [_order("1f1b", d, p, m, 1) for d in range(p)])
     else:
@@ -172,134 +174,170 @@ def _order(schedule: str, d: int, p: int, m: int, v: int) -> list[Op]:
     return order
 
 
-class _Sim:
-    """Shared state of both simulation policies."""
+_F, _B, _W = 0, 1, 2
+_KIND_NAME = ("F", "B", "W")
 
-    def __init__(self, p: int, v: int, m: int, fwd: list[float], bwd: list[float], p2p: float):
+
+class _Sim:
+    """Shared state of both policies. Ops are ints: (kind * stages + stage) * m + microbatch."""
+
+    def __init__(
+        self, p: int, v: int, m: int, fwd: list[float], bwd: list[float], p2p: float, record: bool
+    ):
         self.p, self.v, self.m = p, v, m
-        self.fwd, self.bwd, self.p2p = fwd, bwd, p2p
         self.stages = p * v
-        self.finish: dict[Op, float] = {}
-        self.timeline: list[TimelineEntry] = []
+        self.record = record
+        n_ops = 3 * self.stages * m
+        self.finish: list[float | None] = [None] * n_ops
+        self.dur = [0.0] * n_ops
+        self.dep = [-1] * n_ops  # the op whose output this op waits for (-1: none)
+        self.delay = [0.0] * n_ops  # p2p when that op ran on another device
+        self.w_fraction = 0.0
+        self._fwd, self._bwd, self._p2p = fwd, bwd, p2p
         self.free = [0.0] * p
         self.busy = [0.0] * p
         self.alive = [0] * p
         self.peak = [0] * p
-        self.w_fraction = 0.0
+        self.timeline: list[TimelineEntry] = []
 
-    def device(self, stage: int) -> int:
-        return stage % self.p
+    def op_id(self, op: Op) -> int:
+        kind = {"F": _F, "B": _B, "W": _W}[op[0]]
+        return (kind * self.stages + op[1]) * self.m + op[2]
 
-    def duration(self, op: Op) -> float:
-        kind, stage, _ = op
-        d = self.device(stage)
-        if kind == "F":
-            return self.fwd[d] / self.v
-        if kind == "B":
-            return self.bwd[d] / self.v * (1.0 - self.w_fraction)
-        return self.bwd[d] / self.v * self.w_fraction
+    def prepare(self, w_fraction: float) -> None:
+        """Durations and dependencies of every op."""
+        self.w_fraction = w_fraction
+        S, m, p, v = self.stages, self.m, self.p, self.v
+        for stage in range(S):
+            d = stage % p
+            f = self._fwd[d] / v
+            b = self._bwd[d] / v
+            for j in range(m):
+                fid = (_F * S + stage) * m + j
+                bid = (_B * S + stage) * m + j
+                wid = (_W * S + stage) * m + j
+                self.dur[fid] = f
+                self.dur[bid] = b * (1.0 - w_fraction)
+                self.dur[wid] = b * w_fraction
+                if stage > 0:
+                    self.dep[fid] = (_F * S + stage - 1) * m + j
+                    self.delay[fid] = self._p2p if (stage - 1) % p != d else 0.0
+                if stage == S - 1:
+                    self.dep[bid] = fid
+                else:
+                    self.dep[bid] = (_B * S + stage + 1) * m + j
+                    self.delay[bid] = self._p2p if (stage + 1) % p != d else 0.0
+                self.dep[wid] = bid
 
-    def deps(self, op: Op) -> list[Op]:
-        kind, stage, j = op
-        if kind == "F":
-            return [("F", stage - 1, j)] if stage > 0 else []
-        if kind == "B":
-            if stage == self.stages - 1:
-                return [("F", stage, j)]
-            return [("B", stage + 1, j)]
-        return [("B", stage, j)]
+    def ready_time(self, oid: int) -> float | None:
+        """When op's input is on its device, or None if its producer is not scheduled yet."""
+        dep = self.dep[oid]
+        if dep < 0:
+            return 0.0
+        end = self.finish[dep]
+        return None if end is None else end + self.delay[oid]
 
-    def ready_time(self, op: Op) -> float | None:
-        """When op's inputs are on its device, or None if some input is not scheduled yet."""
-        t = 0.0
-        d = self.device(op[1])
-        for dep in self.deps(op):
-            end = self.finish.get(dep)
-            if end is None:
-                return None
-            t = max(t, end + (self.p2p if self.device(dep[1]) != d else 0.0))
-        return t
-
-    def start(self, op: Op, t: float, frees_memory: str) -> None:
-        kind, stage, j = op
-        d = self.device(stage)
-        dur = self.duration(op)
-        end = t + dur
-        self.finish[op] = end
+    def start(self, oid: int, d: int, t: float, frees_memory: int) -> None:
+        end = t + self.dur[oid]
+        self.finish[oid] = end
         self.free[d] = end
-        self.busy[d] += dur
-        self.timeline.append(TimelineEntry(d, kind, stage // self.p, j, t, end))
-        if kind == "F":
+        self.busy[d] += self.dur[oid]
+        kind, rest = divmod(oid, self.stages * self.m)
+        if kind == _F:
             self.alive[d] += 1
-            self.peak[d] = max(self.peak[d], self.alive[d])
+            if self.alive[d] > self.peak[d]:
+                self.peak[d] = self.alive[d]
         elif kind == frees_memory:
             self.alive[d] -= 1
+        if self.record:
+            stage, j = divmod(rest, self.m)
+            self.timeline.append(TimelineEntry(d, _KIND_NAME[kind], stage // self.p, j, t, end))
 
     def run_fixed(self, orders: list[list[Op]]) -> None:
+        """Each device runs its ops in order, each as soon as the device and its input are ready.
+
+        A device that waits for another device's op sleeps until that op is scheduled, so
+        every op is visited once.
+        """
+        self.prepare(0.0)
+        ids = [[self.op_id(op) for op in order] for order in orders]
+        finish, dep, delay = self.finish, self.dep, self.delay
         ptr = [0] * self.p
-        remaining = sum(len(o) for o in orders)
-        while remaining:
-            progressed = False
-            for d in range(self.p):
-                order = orders[d]
-                while ptr[d] < len(order):
-                    op = order[ptr[d]]
-                    ready = self.ready_time(op)
-                    if ready is None:
+        waiting: dict[int, int] = {}  # op id -> the device blocked on it
+        runnable = list(range(self.p))
+        while runnable:
+            d = runnable.pop()
+            order, k, free = ids[d], ptr[d], self.free[d]
+            while k < len(order):
+                oid = order[k]
+                src = dep[oid]
+                if src >= 0:
+                    end = finish[src]
+                    if end is None:
+                        waiting[src] = d
                         break
-                    self.start(op, max(self.free[d], ready), frees_memory="B")
-                    ptr[d] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:  # pragma: no cover - would be a bug in _order
-                raise CostModelError("pipeline schedule deadlocked (inconsistent op order)")
+                    ready = end + delay[oid]
+                    if ready > free:
+                        free = ready
+                self.start(oid, d, free, frees_memory=_B)
+                free = self.free[d]
+                k += 1
+                woken = waiting.pop(oid, None)
+                if woken is not None:
+                    runnable.append(woken)
+            ptr[d] = k
+        if any(k != len(o) for k, o in zip(ptr, ids, strict=True)):  # pragma: no cover
+            raise CostModelError("pipeline schedule deadlocked (inconsistent op order)")
 
     def run_greedy_zb(self, w_fraction: float, orders: list[list[Op]]) -> None:
         """1F1B's F/B order per device; a pending W runs whenever the next F/B is not ready."""
-        self.w_fraction = w_fraction
+        self.prepare(w_fraction)
         p = self.p
+        ids = [[self.op_id(op) for op in order] for order in orders]
+        w_offset = (_W - _B) * self.stages * self.m  # B id -> its W id
         ptr = [0] * p
-        pending_w: list[list[Op]] = [[] for _ in range(p)]
+        pending_w: list[list[int]] = [[] for _ in range(p)]
         f_done = [0] * p
         w_done = [0] * p
-        remaining = sum(len(o) for o in orders) * 3 // 2
+        remaining = sum(len(o) for o in ids) * 3 // 2
         inf = float("inf")
         while remaining:
-            best: tuple[float, int, Op] | None = None
+            best: tuple[float, int, int] | None = None
             for d in range(p):
                 t_ord = inf
-                op: Op | None = orders[d][ptr[d]] if ptr[d] < len(orders[d]) else None
-                if op is not None and (op[0] != "F" or f_done[d] - w_done[d] < p):
-                    r = self.ready_time(op)
+                oid = ids[d][ptr[d]] if ptr[d] < len(ids[d]) else -1
+                is_f = oid >= 0 and oid < self.stages * self.m
+                if oid >= 0 and (not is_f or f_done[d] - w_done[d] < p):
+                    r = self.ready_time(oid)
                     if r is not None:
                         t_ord = max(self.free[d], r)
-                if op is not None and t_ord <= self.free[d]:
-                    choice = (self.free[d], d, op)
+                if oid >= 0 and t_ord <= self.free[d]:
+                    choice = (self.free[d], d, oid)
                 elif pending_w[d]:
                     choice = (self.free[d], d, pending_w[d][0])
-                elif op is not None and t_ord < inf:
-                    choice = (t_ord, d, op)
+                elif oid >= 0 and t_ord < inf:
+                    choice = (t_ord, d, oid)
                 else:
                     continue
                 if best is None or choice[:2] < best[:2]:
                     best = choice
             if best is None:  # pragma: no cover - the order always leaves a W or a ready op
                 raise CostModelError("zero-bubble schedule deadlocked")
-            t, d, op = best
-            self.start(op, t, frees_memory="W")
-            if op[0] == "W":
+            t, d, oid = best
+            self.start(oid, d, t, frees_memory=_W)
+            if pending_w[d] and oid == pending_w[d][0]:
                 pending_w[d].pop(0)
                 w_done[d] += 1
             else:
                 ptr[d] += 1
-                if op[0] == "F":
+                if oid < self.stages * self.m:
                     f_done[d] += 1
                 else:
-                    pending_w[d].append(("W", op[1], op[2]))
+                    pending_w[d].append(oid + w_offset)
             remaining -= 1
 
     def result(self) -> ScheduleResult:
-        makespan = max(e.end for e in self.timeline) if self.timeline else 0.0
+        makespan = max((f for f in self.finish if f is not None), default=0.0)
         ideal = max(self.busy)
         bubble = (makespan - ideal) / ideal if ideal > 0 else 0.0
         return ScheduleResult(

@@ -141,15 +141,24 @@ class Profile:
                 date=str(data["date"]),
                 num_devices=int(data["num_devices"]),
                 matmul=tuple(
-                    MatmulSample(int(s["m"]), int(s["n"]), int(s["k"]), str(s["dtype"]), float(s["seconds"]))
+                    MatmulSample(
+                        int(s["m"]), int(s["n"]), int(s["k"]), str(s["dtype"]), float(s["seconds"])
+                    )
                     for s in data["matmul"]
                 ),
                 hbm_bandwidth=float(data["hbm_bandwidth"]),
                 collectives=tuple(
-                    CollectiveSample(str(c["kind"]), float(c["nbytes"]), int(c["num_devices"]), float(c["seconds"]))
+                    CollectiveSample(
+                        str(c["kind"]),
+                        float(c["nbytes"]),
+                        int(c["num_devices"]),
+                        float(c["seconds"]),
+                    )
                     for c in data.get("collectives", ())
                 ),
-                efficiency=Efficiency.from_json(data["fit"]) if "fit" in data else DEFAULT_EFFICIENCY,
+                efficiency=Efficiency.from_json(data["fit"])
+                if "fit" in data
+                else DEFAULT_EFFICIENCY,
                 catalog_device=str(data.get("catalog_device", "")),
             )
         except (KeyError, TypeError) as e:

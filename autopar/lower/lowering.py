@@ -254,7 +254,12 @@ class LoweredStep:
         return tuple(jax.tree.map(place, a, s) for a, s in zip(dyn, self.in_shardings, strict=True))
 
     def __call__(self, *args: Any) -> Any:
-        return self.jitted(*self.place_inputs(args))
+        placed = self.place_inputs(args)
+        # Run the executable .compile() built (one compile, not one per entry point) when
+        # the arguments have the lowered shapes; anything else goes through jax.jit.
+        if _same_avals(placed, self.abstract_args):
+            return self.compile()(*placed)
+        return self.jitted(*placed)
 
     # -- stages -----------------------------------------------------------------------
     def _abstract(self, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -306,6 +311,19 @@ class LoweredStep:
         """``compiled.memory_analysis()``, compiled so that CPU scratch is counted."""
         opts = CPU_MEMORY_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {}
         return self.compile(*args, compiler_options=opts).memory_analysis()
+
+
+def _same_avals(args: Sequence[Any], abstract: Sequence[Any]) -> bool:
+    a_leaves, a_tree = jax.tree_util.tree_flatten(tuple(args))
+    b_leaves, b_tree = jax.tree_util.tree_flatten(tuple(abstract))
+    if a_tree != b_tree:
+        return False
+    return all(
+        not isinstance(x, jax.core.Tracer)
+        and tuple(np.shape(x)) == tuple(y.shape)
+        and np.dtype(x.dtype) == np.dtype(y.dtype)
+        for x, y in zip(a_leaves, b_leaves, strict=True)
+    )
 
 
 # ------------------------------------------------------------------------------- lowering

@@ -40,6 +40,7 @@ from autopar.search.sharding import (
     Sharding,
     enumerate_shardings,
     format_sharding,
+    replicated,
     shards,
 )
 from autopar.search.strategies import (
@@ -230,9 +231,24 @@ class BuiltProblem:
     def spec(self, ref: Ref, choice: Sequence[int]) -> Sharding:
         return _pad(self.strategy(ref.op, choice).outs[ref.port], ref.delta)
 
+    def spec_of_input(self, index: int, choice: Sequence[int]) -> Sharding:
+        """The layout graph input ``index`` takes."""
+        return self.strategy(self.input_ops[index], choice).outs[0]
+
+    def spec_of_output(self, index: int, choice: Sequence[int]) -> Sharding:
+        """The layout graph output ``index`` comes out in: its input's, if it replaces an
+        input (the step's state keeps its layout), else what its producer gives."""
+        for gi in self.graph.inputs:
+            if gi.output_index == index:
+                return self.spec_of_input(gi.index, choice)
+        ref = self.output_refs.get(index)
+        if ref is None or ref.op not in self.op_group:
+            return replicated(self.graph.outputs[index].tensor.ndim)
+        return self.spec(ref, choice)
+
     def value_bytes(self, v: MemValue, choice: Sequence[int]) -> float:
-        if v.ref is None:
-            return float(v.tensor.nbytes)
+        if v.ref is None or v.ref.op not in self.op_group:
+            return 0.0  # constants: fused into their consumers, never materialised
         return v.tensor.nbytes / shards(self.spec(v.ref, choice), self.ctx.mesh)
 
     def peak(self, choice: Sequence[int]) -> tuple[float, int, dict[str, float]]:
@@ -275,9 +291,8 @@ def _constraint(bp: BuiltProblem, moment: int) -> MemoryConstraint:
     terms: dict[int, list[float]] = {}
     values = list(bp.persistent) + (bp.timeline.live_at(moment) if len(bp.timeline) else [])
     for v in values:
-        if v.ref is None:
-            constant += v.tensor.nbytes
-            continue
+        if v.ref is None or v.ref.op not in bp.op_group:
+            continue  # constants: see BuiltProblem.value_bytes
         g, pos = bp.op_group[v.ref.op]
         group = bp.groups[g]
         vec = terms.setdefault(g, [0.0] * len(group.strategies))
@@ -339,6 +354,7 @@ class ProblemBuilder:
         self._follow_cache: dict[tuple, OpStrategy] = {}
         self._keys: dict[int, tuple] = {}
         self._layer_of_op: dict[int, tuple[int, int]] = {}
+        self._restrict: dict[int, dict[int, Sharding]] = {}  # leader op -> pinned results
 
     # -- 1. flatten -----------------------------------------------------------------------
     def _new_op(
@@ -406,6 +422,12 @@ class ProblemBuilder:
         spec = self.constraints.get((scope, node_id, port))
         if spec is None:
             return ref
+        if ref.delta == 0 and src.kind == "node" and self._main_operand(src) is None:
+            # A group leader: pinning its result restricts its strategies (the same model
+            # the planner solved), unless none of them produces that layout.
+            if any(st.outs[port] == spec for st in self._leader_strategies(src)):
+                self._restrict.setdefault(src.index, {})[port] = spec
+                return ref
         syn = _synthetic("constraint", (tensor,), (tensor,), spec=spec)
         c = self._new_op(
             "constraint",
@@ -460,7 +482,8 @@ class ProblemBuilder:
                 f"{node.name_stack or 'scan'}[in {i}]",
                 phase=node.phase,
                 root_role=root.root_role if root is not None else None,
-                depends=root.depends if root is not None else False,
+                # A carry changes every iteration: never a constant.
+                depends=(root.depends if root is not None else False) or nc <= i < nc + ncar,
             )
             if nc <= i < nc + ncar:
                 carry_ops.append(op)
@@ -486,11 +509,19 @@ class ProblemBuilder:
         return op.kind == "node" and op.node.primitive in ("broadcast_in_dim", "iota")
 
     def _main_operand(self, op: Op) -> int | None:
-        if not self.coarsen or op.kind != "node" or op.node.primitive not in FOLLOWABLE:
+        """The operand ``op`` takes its layout from, or ``None`` (``op`` leads a group)."""
+        if not self.coarsen:
+            return None
+        if op.kind == "body_input":
+            # A loop input takes the layout of what enters the loop (XLA gives a while
+            # loop's operand, body parameter and result one sharding).
+            ref = op.operands[0]
+            return 0 if ref is not None and self._grouped(ref) else None
+        if op.kind != "node" or op.node.primitive not in FOLLOWABLE:
             return None
         best, best_key = None, None
         for k, ref in enumerate(op.operands):
-            if ref is None or ref.delta != 0 or self.ops[ref.op].scope != op.scope:
+            if ref is None or not self._grouped(ref):
                 continue
             t = op.node.in_tensors[k]
             if t.ndim == 0 or not can_follow(op.node, k):
@@ -500,10 +531,17 @@ class ProblemBuilder:
                 best, best_key = k, key
         return best
 
+    def _grouped(self, ref: Ref) -> bool:
+        """Constants (ops that read no graph input) get no group: XLA materialises them in
+        whatever layout their consumer wants, for free."""
+        return self.ops[ref.op].depends
+
     def _group(self) -> tuple[list[Group], dict[int, tuple[int, int]]]:
         groups: list[Group] = []
         where: dict[int, tuple[int, int]] = {}
         for op in self.ops:
+            if not op.depends and op.kind in ("node", "body_input"):
+                continue
             main = self._main_operand(op)
             if main is not None:
                 gi, _ = where[op.operands[main].op]
@@ -514,6 +552,9 @@ class ProblemBuilder:
             else:
                 where[op.index] = (len(groups), 0)
                 groups.append(Group(len(groups), [op.index]))
+        # Reads of constants are free: drop them.
+        for op in self.ops:
+            op.operands = [r if r is None or r.op in where else None for r in op.operands]
         return groups, where
 
     # -- 3. strategies --------------------------------------------------------------------
@@ -536,6 +577,9 @@ class ProblemBuilder:
             hit = self._enum_cache.get(key)
             if hit is None:
                 hit = self._enum_cache[key] = enumerate_strategies(op.node, self.ctx)
+            pinned = self._restrict.get(op.index)
+            if pinned:
+                hit = [st for st in hit if all(st.outs[p] == s for p, s in pinned.items())]
             return hit
         if op.kind == "input":
             return [
@@ -559,6 +603,12 @@ class ProblemBuilder:
         raise AssertionError(op.kind)
 
     def _follow(self, op: Op, k: int, spec: Sharding) -> OpStrategy:
+        if op.kind == "body_input":
+            lead = op.node.params["lead"]
+            kept = ((),) * lead + spec[lead:]  # the scanned dim is sliced: never sharded
+            body = spec[lead:]
+            ins = (kept, body) if len(op.node.in_tensors) == 2 else (kept,)
+            return OpStrategy(format_sharding(body), ins, (body,), 0.0)
         key = (self._key(op), k, spec)
         hit = self._follow_cache.get(key)
         if hit is None:
@@ -608,6 +658,8 @@ class ProblemBuilder:
         edges: list[ProblemEdge] = []
         refs: list[EdgeRef] = []
         for op in self.ops:
+            if op.index not in where:
+                continue  # a constant
             gc, pc = where[op.index]
             cons = groups[gc]
             for k, ref in enumerate(op.operands):

@@ -18,9 +18,11 @@ from autopar.trace.phases import assign_phases, backward_tainted
 from autopar.trace.roles import (
     assign_roles,
     input_paths,
+    key_name,
     match_updates,
     output_paths,
     path_str,
+    positional_names,
 )
 
 
@@ -57,7 +59,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
             f"trace() needs a callable as its first argument, got {type(fn).__name__}: "
             f"pass the step function, then its arguments: trace(step_fn, state, batch)"
         )
-    _check_leaves(args, kwargs)
+    _check_leaves(fn, args, kwargs)
     # Tracing allocates ~10^5 small objects and frees none of them until it returns; the
     # cyclic garbage collector's passes over them cost 40% of the trace time, for nothing.
     was_enabled = gc.isenabled()
@@ -123,7 +125,7 @@ def graph_from_jaxpr(
         for i, vid in enumerate(raw.outvars)
     ]
     nodes = [make_node(r, phases[k], None, ()) for k, r in enumerate(raw.eqns)]
-    layers, node_layer = find_layers(nodes, inputs)
+    layers, node_layer = find_layers(nodes, inputs, outputs)
     for nid, k in node_layer.items():
         # The nodes are not shared yet: fill in the field the frozen dataclass left empty
         # (dataclasses.replace on ~10^4 nodes costs a noticeable share of the trace time).
@@ -134,7 +136,7 @@ def graph_from_jaxpr(
     )  # fmt: skip
 
 
-def _check_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _check_leaves(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     leaves, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
     for kp, leaf in leaves:
         if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
@@ -143,7 +145,13 @@ def _check_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             continue
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             continue  # array-likes JAX can abstractify
-        where = jax.tree_util.keystr(kp[1:]) or "the argument"
+        keys = [key_name(k) for k in kp[2:]]
+        head = (
+            positional_names(fn, len(args))[int(key_name(kp[1]))]
+            if key_name(kp[0]) == "0"
+            else key_name(kp[1])
+        )
+        where = "/".join([head, *keys])
         raise TraceFunctionError(
             f"argument leaf {where} is a {type(leaf).__name__} ({leaf!r:.60}); trace() takes "
             f"pytrees of arrays, jax.ShapeDtypeStruct or Python scalars. Close over static "

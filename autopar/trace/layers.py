@@ -21,8 +21,9 @@ Three sources, tried on the top-level nodes:
    by whole units that match without shapes (an MLP's first and last layer differ only in
    width). Layer ``k``'s forward nodes are those from the first use of its first parameter
    up to the next layer's; the last layer gets at most the longest other layer's span.
-   Backward nodes: the layer of a parameter they read, else that of their most recently
-   computed operand (the cotangent chain).
+   Backward nodes: the layer of a weight they read (``dx = ct @ W^T``), else that of the
+   backward nodes consuming them (the cotangent chain into that ``dx``), else that of the
+   forward values they read (``dW = x^T ct``); see :func:`_assign_backward`.
 
 **Optimizer nodes** (all three): in program order, a node joins the one layer among the
 layers of the inputs it reads (a parameter's or its optimizer state's layer: by name for
@@ -43,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from autopar.trace.build import is_float_dtype
-from autopar.trace.graph import Graph, GraphInput, Layer, Node
+from autopar.trace.graph import Graph, GraphInput, GraphOutput, Layer, Node
 
 _TRANSFORM_PREFIX = re.compile(r"^(?:[\w.-]+\()+")
 _INDEXED = re.compile(r"^(.*?[A-Za-z][A-Za-z_]*?)_?(\d+)$")
@@ -82,12 +83,15 @@ class _Proto:
     count: int = 1
 
 
-def find_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput]) -> tuple[list[Layer], dict[int, int]]:
+def find_layers(
+    nodes: Sequence[Node], inputs: Sequence[GraphInput], outputs: Sequence[GraphOutput]
+) -> tuple[list[Layer], dict[int, int]]:
     """Layers of the top-level ``nodes`` and the node -> layer index map.
 
     Args:
         nodes: top-level nodes with phases (``layer`` not yet set).
-        inputs: the graph inputs with roles.
+        inputs: the graph inputs with roles and ``output_index``.
+        outputs: the graph outputs.
 
     Returns:
         ``(layers, node_layer)``; for scan groups every loop node maps to the group's first
@@ -134,7 +138,7 @@ def find_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput]) -> tuple[li
             input_proto.setdefault(v, k)
 
     if not protos:
-        for ids, weights in _repeat_layers(nodes, inputs, producer, consumers):
+        for ids, weights in _repeat_layers(nodes, inputs, outputs, producer, consumers):
             k = len(protos)
             protos.append(_Proto(f"block_{k}", "repeat", min(ids), set(ids)))
             for nid in ids:
@@ -281,7 +285,7 @@ def _best_run(sig: Sequence[object]) -> tuple[int, int, int] | None:
     return best
 
 
-def _repeat_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput], producer, consumers):
+def _repeat_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput], outputs, producer, consumers):
     """``[(node ids, weight value ids)]`` per layer found by structural repetition."""
     weights = [i for i in inputs if i.role == "param"]
     if not weights:
@@ -334,34 +338,133 @@ def _repeat_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput], producer
         for nid in range(starts[k], bounds[k]):
             if nodes[nid].phase == "forward":
                 node_layer[nid] = k
-    # Backward: a weight read decides; else the most recently produced operand's layer.
-    value_layer: dict[int, int] = dict(weight_layer)
-    for nid, k in node_layer.items():
-        for v in nodes[nid].outputs:
-            value_layer[v] = k
-    for n in nodes:
-        if n.phase != "backward":
-            continue
-        ws = {weight_layer[v] for v in n.inputs if v in weight_layer}
-        k = None
-        if len(ws) == 1:
-            k = ws.pop()
-        else:
-            latest = -1
-            for v in n.inputs:
-                if v in value_layer and v not in weight_layer:
-                    src = producer.get(v, -1)
-                    if src > latest:
-                        latest, k = src, value_layer[v]
-        if k is not None:
-            node_layer[n.id] = k
-            for v in n.outputs:
-                value_layer[v] = k
+    _assign_backward(nodes, producer, consumers, node_layer, weight_layer, inputs, outputs)
     out = []
     for k, unit_ in enumerate(units):
         ids = [nid for nid, kk in node_layer.items() if kk == k]
         out.append((ids, [u[2] for u in unit_]))
     return out
+
+
+_NONE = -1  # "belongs to no layer" (it reads a parameter outside every layer)
+_GRAD_WALK_LIMIT = 400  # values visited from one gradient into the optimizer
+
+
+def _gradient_ends(nodes, consumers, weight_layer, inputs, outputs) -> dict[int, int]:
+    """Backward nodes whose results leave the backward pass, mapped to the one layer (or
+    :data:`_NONE`) of the parameters whose updated values they reach through the
+    optimizer (``dW``/``db`` of a layer; of the embedding: none)."""
+    out_layer: dict[int, int] = {}
+    for i in inputs:
+        if i.role == "param" and i.output_index is not None:
+            out_layer[outputs[i.output_index].value] = weight_layer.get(i.value, _NONE)
+    if not out_layer:
+        return {}
+    result: dict[int, int] = {}
+    for n in nodes:
+        if n.phase != "backward":
+            continue
+        frontier = [v for v in n.outputs]
+        if any(nodes[c].phase == "backward" for v in frontier for c in consumers.get(v, ())):
+            continue
+        reached: set[int] = set()
+        seen: set[int] = set()
+        while frontier and len(seen) < _GRAD_WALK_LIMIT:
+            v = frontier.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in out_layer:
+                reached.add(out_layer[v])
+            for c in consumers.get(v, ()):
+                if nodes[c].phase == "optimizer":
+                    frontier.extend(nodes[c].outputs)
+        if len(reached) == 1 and not frontier:
+            result[n.id] = reached.pop()
+    return result
+
+
+def _assign_backward(
+    nodes, producer, consumers, node_layer, weight_layer, inputs, outputs
+) -> None:
+    """Place backward nodes of repetition layers (``node_layer`` gets them).
+
+    1. A node reading a layer's weight belongs to it (``dx = ct @ W^T``); one reading a
+       parameter outside every layer (embedding, head) belongs to none.
+    2. Walking backwards, other nodes join the layer their backward consumers are in (the
+       cotangent chain feeding ``dx`` of that layer).
+    3. A gradient end (``dW``, ``db``: no backward consumer) joins the layer of the
+       parameters whose new values it reaches through the optimizer, or none (embedding);
+       then step 2 runs again for the nodes feeding only gradient ends.
+    4. What is left (the first layer's activation gradient, which no ``dx`` consumes, or a
+       gradient reaching several layers) joins the layer of the forward values
+       it reads: the layer whose weight-reading node reads that value directly (``x`` of
+       ``dW = x^T ct``), else the layer that computed it; or, reading none, the layer of the
+       backward nodes that produced its operands.
+    """
+    others = {i.value for i in inputs if i.role == "param" and i.value not in weight_layer}
+    home: dict[int, int] = {}
+    for nid in sorted(node_layer):
+        n = nodes[nid]
+        ks = [weight_layer[v] for v in n.inputs if v in weight_layer]
+        if ks:
+            for v in n.inputs:
+                if v >= 0 and v not in weight_layer:
+                    home.setdefault(v, ks[0])
+    for nid, k in node_layer.items():
+        for v in nodes[nid].outputs:
+            home.setdefault(v, k)
+    bwd = [n for n in nodes if n.phase == "backward"]
+    assigned: dict[int, int] = {}
+
+    def from_consumers(n: Node) -> int | None:
+        cons = {
+            assigned[c]
+            for v in n.outputs
+            for c in consumers.get(v, ())
+            if c in assigned and nodes[c].phase == "backward"
+        }
+        if not cons:
+            return None
+        real = cons - {_NONE}
+        return max(real) if real else _NONE
+
+    for n in reversed(bwd):
+        ws = {weight_layer[v] for v in n.inputs if v in weight_layer}
+        if ws:
+            assigned[n.id] = max(ws)
+        elif any(v in others for v in n.inputs):
+            assigned[n.id] = _NONE
+        else:
+            k = from_consumers(n)
+            if k is not None:
+                assigned[n.id] = k
+    grad_layer = _gradient_ends(nodes, consumers, weight_layer, inputs, outputs)
+    for nid, k in grad_layer.items():
+        assigned.setdefault(nid, k)
+    for n in reversed(bwd):
+        if n.id not in assigned:
+            k = from_consumers(n)
+            if k is not None:
+                assigned[n.id] = k
+    for n in bwd:
+        if n.id in assigned:
+            continue
+        if n.id in grad_layer:
+            assigned[n.id] = grad_layer[n.id]
+            continue
+        homes = {home[v] for v in n.inputs if v in home}
+        if homes:
+            assigned[n.id] = max(homes)
+            continue
+        prods = {
+            assigned[producer[v]] for v in n.inputs if v in producer and producer[v] in assigned
+        }
+        if prods:
+            assigned[n.id] = max(prods)
+    for nid, k in assigned.items():
+        if k != _NONE:
+            node_layer[nid] = k
 
 
 # -- optimizer -----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 
 from rich.console import Console
@@ -25,7 +26,9 @@ def human(x: float, unit: str = "") -> str:
 
 def render_summary(graph: Graph, width: int = 110, max_layers: int = 40) -> str:
     """The text of :meth:`Graph.summary`: totals, phases, inputs by role, layers."""
-    console = Console(record=True, width=width, force_terminal=False, color_system=None)
+    console = Console(
+        record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None
+    )
     prims = Counter(n.primitive for n in graph.nodes)
     loops = sum(1 for n in graph.nodes if n.body)
     console.print(

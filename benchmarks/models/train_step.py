@@ -116,11 +116,15 @@ def build_args(
 
     if abstract:
         return jax.eval_shape(init_state), dict(batch_spec)
-    # Initialisation runs once, and on CPU XLA spends seconds optimising each parameter's
-    # random-number kernel; unoptimised code builds the same values (same HLO) far sooner.
-    compiled = jax.jit(init_state).lower().compile({"xla_backend_optimization_level": 0})
-    state = compiled()
-    batch = make_batch(jax.random.fold_in(jax.random.PRNGKey(seed), 1))
+
+    def init_args() -> tuple[dict[str, Any], dict[str, Any]]:
+        return init_state(), make_batch(jax.random.fold_in(jax.random.PRNGKey(seed), 1))
+
+    # One compiled program builds everything: eager random ops would each compile on
+    # their own. It runs once, and on CPU XLA spends seconds optimising every parameter's
+    # random-number kernel, so compile it unoptimised (the values are the same).
+    compiled = jax.jit(init_args).lower().compile({"xla_backend_optimization_level": 0})
+    state, batch = compiled()
     for name, spec in batch_spec.items():
         leaf = batch[name]
         if leaf.shape != spec.shape or leaf.dtype != spec.dtype:

@@ -1,0 +1,38 @@
+"""The search: sharding strategies per operation, the intra-operator ILP, the outer loop.
+
+* :func:`plan_graph` ``(graph, cluster, options) -> Plan``: pick a mesh and a layout for
+  every tensor that minimises the predicted step time within the memory bound.
+* :func:`evaluate_plan` ``(graph, plan, cluster) -> Evaluation``: score any plan with the
+  same cost model.
+* :class:`ShardingProblem` / :func:`solve` / :class:`ShardingSolution`: the ILP as plain,
+  JSON-serialisable data and its solver, for replaying and testing solves on their own.
+
+Example:
+    >>> from autopar.search import ShardingProblem, ProblemNode, solve
+    >>> solve(ShardingProblem((ProblemNode("a", (2.0, 1.0)),))).choice
+    (1,)
+"""
+
+from autopar.search.evaluate import Evaluation, evaluate_plan
+from autopar.search.planner import candidate_meshes, plan_graph
+from autopar.search.problem import (
+    MemoryConstraint,
+    ProblemEdge,
+    ProblemNode,
+    ShardingProblem,
+    ShardingSolution,
+)
+from autopar.search.solver import solve
+
+__all__ = [
+    "Evaluation",
+    "MemoryConstraint",
+    "ProblemEdge",
+    "ProblemNode",
+    "ShardingProblem",
+    "ShardingSolution",
+    "candidate_meshes",
+    "evaluate_plan",
+    "plan_graph",
+    "solve",
+]

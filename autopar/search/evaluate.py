@@ -1,0 +1,322 @@
+"""Score a plan with the cost model: compute, every collective, overlap, memory.
+
+:func:`evaluate_plan` scores *any* plan, hand-written baselines included: it fixes the
+plan's input layouts and pinned activations and lets everything else take its cheapest
+consistent layout, the way XLA's sharding propagation completes a partially annotated
+program (it solves the same ILP with those choices fixed). For a plan the planner made,
+the result equals the planner's own prediction (``Predicted.objective``).
+
+Example:
+    >>> ev = evaluate_plan(graph, plan, Cluster.preset("dgx-a100-80gb"))   # doctest: +SKIP
+    >>> print(ev.summary())                                                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from autopar.errors import InvalidOptionError, LoadPlanError
+from autopar.plan import Plan, Predicted, PredictedCollective
+from autopar.search.costs import CostContext
+from autopar.search.ilp import BuiltProblem, ProblemBuilder, collective_class
+from autopar.search.sharding import Collective, Sharding, from_plan_spec
+from autopar.search.solver import solve
+from autopar.trace.graph import Graph
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The cost model's verdict on one plan, per device and per training step.
+
+    Attributes:
+        mesh: the plan's mesh.
+        objective_s: compute + every collective, serialised (what the ILP minimises).
+        step_time_s: ``compose_step_time`` of the parts: overlappable collectives
+            (gradient reductions, parameter gathers) hide behind compute.
+        compute_s: compute time.
+        backward_compute_s: the backward pass's part of it.
+        communication_s: all collective time (hidden or not).
+        exposed_communication_s: the part on the critical path.
+        communication_by_class: seconds per ``cost_models.COMM_CLASSES`` class.
+        collectives: per (kind, axes, class): total bytes, count and time per step.
+        memory_bytes_per_device: peak bytes per device.
+        memory_breakdown: params / grads / optimizer / activations / inputs at the peak.
+        flops_per_device: FLOPs each device executes per step.
+        memory_limit_bytes: the bound the plan was made under (if any).
+        fits: whether the peak is within that bound.
+        solve_status: status of the completion solve.
+    """
+
+    mesh: Mapping[str, int]
+    objective_s: float
+    step_time_s: float
+    compute_s: float
+    backward_compute_s: float
+    communication_s: float
+    exposed_communication_s: float
+    communication_by_class: Mapping[str, float]
+    collectives: tuple[PredictedCollective, ...]
+    memory_bytes_per_device: float
+    memory_breakdown: Mapping[str, float]
+    flops_per_device: float
+    memory_limit_bytes: float | None = None
+    solve_status: str = "optimal"
+    hidden_communication_s: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("mesh", "communication_by_class", "memory_breakdown", "extra"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        object.__setattr__(self, "collectives", tuple(self.collectives))
+
+    @property
+    def fits(self) -> bool:
+        return (
+            self.memory_limit_bytes is None
+            or self.memory_bytes_per_device <= self.memory_limit_bytes
+        )
+
+    def to_predicted(self) -> Predicted:
+        """The plan's ``Predicted`` record."""
+        return Predicted(
+            step_time_s=self.step_time_s,
+            compute_s=self.compute_s,
+            communication_s=self.communication_s,
+            exposed_communication_s=self.exposed_communication_s,
+            bubble_s=0.0,
+            memory_bytes_per_device=self.memory_bytes_per_device,
+            memory_breakdown=dict(self.memory_breakdown),
+            flops_per_device=self.flops_per_device,
+            collectives=self.collectives,
+            objective=self.objective_s,
+        )
+
+    def summary(self) -> str:
+        """A few lines for humans."""
+        lines = [
+            f"mesh {dict(self.mesh)}: step {self.step_time_s * 1e3:.3f} ms "
+            f"(compute {self.compute_s * 1e3:.3f} ms, exposed comm "
+            f"{self.exposed_communication_s * 1e3:.3f} ms of {self.communication_s * 1e3:.3f} ms)",
+            f"memory {self.memory_bytes_per_device / 2**30:.3f} GiB/device "
+            + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in sorted(self.memory_breakdown.items())),
+        ]
+        for c in sorted(self.collectives, key=lambda c: -c.time_s):
+            lines.append(
+                f"  {c.kind:<15} over {','.join(c.axes):<12} {c.where:<12} x{c.count:<6} "
+                f"{c.bytes / 2**20:10.2f} MiB {c.time_s * 1e3:9.3f} ms"
+            )
+        return "\n".join(lines)
+
+
+def decode(
+    bp: BuiltProblem,
+    choice: Sequence[int],
+    rename: Mapping[str, str] | None = None,
+    *,
+    status: str = "optimal",
+    memory_limit: float | None = None,
+) -> Evaluation:
+    """Turn a choice for a built problem into an :class:`Evaluation`.
+
+    ``rename`` maps the problem's mesh axis names to the names the plan reports.
+    """
+    import cost_models
+
+    rename = dict(rename or {})
+    compute = backward = flops = 0.0
+    colls: dict[tuple[str, tuple[str, ...], str], list[float]] = {}
+
+    def add(c: Collective, weight: float, cls: str) -> None:
+        if c.time_s == 0.0 and c.nbytes == 0.0:
+            return
+        key = (c.kind, tuple(rename.get(a, a) for a in c.axes), cls)
+        acc = colls.setdefault(key, [0.0, 0.0, 0.0])
+        acc[0] += weight * c.nbytes
+        acc[1] += weight
+        acc[2] += weight * c.time_s
+
+    def leader(op_index: int):
+        g, _ = bp.op_group[op_index]
+        return bp.ops[bp.groups[g].ops[0]]
+
+    for g, group in enumerate(bp.groups):
+        strats = group.strategies[choice[g]]
+        ports: dict[tuple[int, int], Sharding] = {}
+        for pos, oi in enumerate(group.ops):
+            for p, o in enumerate(strats[pos].outs):
+                ports[(oi, p)] = o
+        for pos, oi in enumerate(group.ops):
+            op = bp.ops[oi]
+            st = strats[pos]
+            compute += op.weight * st.compute_s
+            flops += op.weight * st.flops
+            if op.phase == "backward":
+                backward += op.weight * st.compute_s
+            for c in st.comm:
+                add(c, op.weight, collective_class(bp, c, op=op, source=None, rename=rename))
+            # Resharding inside the group.
+            for k, ref in enumerate(op.operands):
+                if ref is None or bp.op_group.get(ref.op, (-1,))[0] != g or k >= len(st.ins):
+                    continue
+                need = st.ins[k]
+                have = ((),) * ref.delta + ports[(ref.op, ref.port)]
+                if need is None or have == need:
+                    continue
+                t = op.node.in_tensors[k]
+                w = min(op.weight, bp.ops[ref.op].weight)
+                for c in bp.ctx.reshard(t.shape, t.dtype, have, need)[1]:
+                    add(c, w, collective_class(bp, c, op=op, source=leader(ref.op), rename=rename))
+    for e in bp.edges:
+        op = bp.ops[e.op]
+        st = bp.strategy(e.op, choice)
+        need = st.ins[e.operand] if e.operand < len(st.ins) else None
+        if need is None:
+            continue
+        have = bp.spec(e.ref, choice)
+        if have == need:
+            continue
+        t = op.node.in_tensors[e.operand]
+        w = min(op.weight, bp.ops[e.ref.op].weight)
+        for c in bp.ctx.reshard(t.shape, t.dtype, have, need)[1]:
+            add(c, w, collective_class(bp, c, op=op, source=leader(e.ref.op), rename=rename))
+
+    collectives = tuple(
+        PredictedCollective(kind, axes, b, max(1, round(n)), t, cls)
+        for (kind, axes, cls), (b, n, t) in sorted(colls.items())
+    )
+    by_class: dict[str, float] = {}
+    for c in collectives:
+        by_class[c.where] = by_class.get(c.where, 0.0) + c.time_s
+    comm = sum(by_class.values())
+    step = cost_models.compose_step_time(
+        compute, by_class, min(backward, compute), bp.ctx.cluster.overlap_efficiency
+    )
+    peak, moment, breakdown = bp.peak(choice)
+    return Evaluation(
+        mesh={rename.get(a, a): s for a, s in bp.ctx.mesh_dict.items()},
+        objective_s=compute + comm,
+        step_time_s=step.total_s,
+        compute_s=compute,
+        backward_compute_s=backward,
+        communication_s=comm,
+        exposed_communication_s=step.exposed_comm_s,
+        communication_by_class=by_class,
+        collectives=collectives,
+        memory_bytes_per_device=peak,
+        memory_breakdown=breakdown,
+        flops_per_device=flops,
+        memory_limit_bytes=memory_limit,
+        solve_status=status,
+        hidden_communication_s=step.hidden_comm_s,
+        extra={"peak_moment": moment, "problem_objective": bp.problem.objective(choice)},
+    )
+
+
+def plan_constraints(graph: Graph, plan: Plan) -> tuple[dict[int, Sharding], dict]:
+    """The plan's input layouts (by graph input index) and pinned activations."""
+    if len(plan.inputs) != len(graph.inputs):
+        raise LoadPlanError(
+            f"the plan has {len(plan.inputs)} inputs but the graph has {len(graph.inputs)}; "
+            "it was made for another function signature."
+        )
+    fixed: dict[int, Sharding] = {}
+    for gi, rec in zip(graph.inputs, plan.inputs, strict=True):
+        if tuple(rec.shape) != gi.tensor.shape:
+            raise LoadPlanError(
+                f"plan input {rec.path!r} has shape {tuple(rec.shape)} but the graph's input "
+                f"{gi.path!r} has {gi.tensor.shape}; the plan is for another signature."
+            )
+        _check_axes(rec.spec, plan.mesh, rec.path)
+        fixed[gi.index] = from_plan_spec(rec.spec, gi.tensor.ndim)
+    constraints = {}
+    for a in plan.activations:
+        _check_axes(a.spec, plan.mesh, f"activation {a.name or a.node}")
+        constraints[(tuple(tuple(s) for s in a.scope), a.node, a.output)] = a.spec
+    return fixed, constraints
+
+
+def _check_axes(spec, mesh: Mapping[str, int], where: str) -> None:
+    for e in spec:
+        for a in (e,) if isinstance(e, str) else (e or ()):
+            if a not in mesh:
+                raise LoadPlanError(
+                    f"{where}: spec {spec} names axis {a!r}, not in mesh {dict(mesh)}"
+                )
+
+
+def _resolve_constraints(graph: Graph, raw: dict) -> dict:
+    """Plan specs -> internal shardings (needs the pinned values' ranks)."""
+    out = {}
+    for (scope, node_id, port), spec in raw.items():
+        g = graph
+        for scan_id, body_index in scope:
+            g = g.node(scan_id).body[body_index]
+        rank = g.node(node_id).out_tensors[port].ndim
+        out[(scope, node_id, port)] = from_plan_spec(spec, rank)
+    return out
+
+
+def evaluate_plan(
+    graph: Graph,
+    plan: Plan,
+    cluster: Any,
+    *,
+    time_limit_s: float = 60.0,
+    coarsen: bool = True,
+    memory_limit_bytes: float | None = None,
+) -> Evaluation:
+    """Score ``plan`` for ``graph`` on ``cluster`` with the planner's cost model.
+
+    Input layouts and pinned activations come from the plan; every other value takes the
+    cheapest layout consistent with them (like XLA's propagation).
+
+    Args:
+        graph: the traced step the plan is for.
+        plan: any plan (from :func:`plan_graph` or written by hand).
+        cluster: a ``cost_models.Cluster``.
+        time_limit_s: limit of the completion solve.
+        coarsen: as in ``SearchOptions.coarsen`` (keep it equal to the planner's).
+        memory_limit_bytes: report whether the plan fits this bound (``Evaluation.fits``).
+
+    Returns:
+        The breakdown. ``objective_s`` equals the planner's ``Predicted.objective`` for
+        plans it made.
+
+    Raises:
+        LoadPlanError: the plan does not match the graph's inputs or mesh.
+        InvalidOptionError: the plan pipelines (not supported yet).
+
+    Example:
+        >>> dp = Plan(mesh={"data": 8}, inputs=...)                   # doctest: +SKIP
+        >>> evaluate_plan(graph, dp, cluster).step_time_s              # doctest: +SKIP
+        0.0123
+    """
+    if plan.pipeline is not None and plan.pipeline.num_stages > 1:
+        raise InvalidOptionError(
+            "pipelined plans cannot be evaluated yet (pipelining is a later stage)."
+        )
+    if plan.num_devices > cluster.num_devices:
+        raise LoadPlanError(
+            f"the plan's mesh {dict(plan.mesh)} needs {plan.num_devices} devices; the cluster has "
+            f"{cluster.num_devices}."
+        )
+    fixed, raw = plan_constraints(graph, plan)
+    ctx = CostContext(cluster, plan.mesh)
+    builder = ProblemBuilder(
+        graph,
+        ctx,
+        fixed_inputs=fixed,
+        constraints=_resolve_constraints(graph, raw),
+        coarsen=coarsen,
+    )
+    bp = builder.build()
+    sol = solve(bp.problem, time_limit_s)
+    if not sol.ok:
+        raise LoadPlanError(f"could not complete the plan's layouts (solver status {sol.status}).")
+    return decode(bp, sol.choice, status=sol.status, memory_limit=memory_limit_bytes)
+
+
+__all__ = ["Evaluation", "decode", "evaluate_plan"]

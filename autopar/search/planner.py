@@ -1,0 +1,511 @@
+"""The outer loop: pick a mesh, solve the sharding ILP on it, and write the Plan.
+
+:func:`plan_graph` enumerates factorisations of the device count over mesh axes (unless
+``SearchOptions.mesh`` fixes one), builds each mesh's :class:`ShardingProblem`, ranks the
+meshes by a quick lower bound (every group at its cheapest strategy, edges and memory
+ignored), solves at most ``max_meshes`` of them in that order (skipping those whose bound
+cannot beat the best step time found) and keeps the plan with the lowest predicted step
+time that fits the per-device memory bound.
+
+Example:
+    >>> plan = plan_graph(autopar.trace(step, state, batch),            # doctest: +SKIP
+    ...                   Cluster.preset("dgx-a100-80gb"),
+    ...                   SearchOptions(mesh={"data": 2, "tensor": 4}))
+    >>> plan.layers[0].ops[:2]                                          # doctest: +SKIP
+    (('attn/q', 'batch(data)+column(tensor)'), ('attn/k', 'batch(data)+column(tensor)'))
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.errors import InfeasiblePlanError, InvalidOptionError
+from autopar.options import AXIS_NAMES, SearchOptions
+from autopar.plan import ActivationConstraint, LayerStrategy, Plan, TensorSharding
+from autopar.search.costs import CostContext
+from autopar.search.evaluate import Evaluation, decode
+from autopar.search.ilp import BuiltProblem, Op, ProblemBuilder
+from autopar.search.problem import ShardingSolution
+from autopar.search.sharding import Sharding, to_plan_spec
+from autopar.search.solver import solve
+from autopar.trace.graph import Graph
+
+_DATA_AXES = ("data", "fsdp")
+_MAX_MESH_AXES = 3  # meshes with more non-trivial axes than this are not enumerated
+_LAZY_MEMORY_ROUNDS = 6
+
+
+@dataclass
+class MeshResult:
+    """One mesh the outer loop looked at (kept for reports and benchmarks)."""
+
+    mesh: dict[str, int]
+    bound_s: float
+    built: BuiltProblem | None = None
+    solution: ShardingSolution | None = None
+    evaluation: Evaluation | None = None
+    min_memory_bytes: float | None = None
+    skipped: str = ""
+
+
+# ----------------------------------------------------------------------------- meshes
+
+
+def _factorisations(n: int, max_len: int) -> list[tuple[int, ...]]:
+    """Ordered factorisations of ``n`` into factors > 1, at most ``max_len`` of them."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(rest: int, prefix: tuple[int, ...]) -> None:
+        if rest == 1:
+            if prefix:
+                out.append(prefix)
+            return
+        if len(prefix) == max_len:
+            return
+        for f in range(2, rest + 1):
+            if rest % f == 0:
+                rec(rest // f, (*prefix, f))
+
+    rec(n, ())
+    return out
+
+
+def _placeholder_names(k: int, allowed: Sequence[str]) -> tuple[str, ...] | None:
+    """Axis names for a k-axis mesh before roles are known, outer -> inner."""
+    preference = ["data", "tensor", "seq", "fsdp", "expert"]
+    names = [a for a in preference if a in allowed][:k]
+    if len(names) < k:
+        names += [a for a in allowed if a not in names][: k - len(names)]
+    if len(names) < k:
+        return None
+    return tuple(sorted(names, key=AXIS_NAMES.index))
+
+
+def candidate_meshes(num_devices: int, options: SearchOptions) -> list[dict[str, int]]:
+    """The meshes the outer loop considers: ``options.mesh`` or the factorisations of the
+    device count over up to three of ``options.axes`` (placeholder names, renamed by role
+    once solved; the cost depends on sizes and order only).
+
+    Example:
+        >>> [tuple(m.values()) for m in candidate_meshes(8, SearchOptions())]
+        [(2, 2, 2), (2, 4), (4, 2), (8,)]
+    """
+    if options.mesh is not None:
+        return [dict(options.mesh)]
+    axes = tuple(a for a in options.axes if a != "pipe")
+    if num_devices == 1:
+        return [{axes[0] if axes else "data": 1}]
+    out = []
+    for sizes in _factorisations(num_devices, min(_MAX_MESH_AXES, len(axes))):
+        names = _placeholder_names(len(sizes), axes)
+        if names is not None:
+            out.append(dict(zip(names, sizes, strict=True)))
+    return sorted(out, key=lambda m: tuple(m.values()))
+
+
+# ----------------------------------------------------------------------------- solving
+
+
+def _input_axes(
+    graph: Graph, mesh: Mapping[str, int], options: SearchOptions
+) -> dict[int, list[str]]:
+    """Axes each input may use when ``options.zero_stage`` is fixed."""
+    if options.zero_stage is None or options.zero_stage == 3:
+        return {}
+    data = [a for a in mesh if a in _DATA_AXES]
+    other = [a for a in mesh if a not in data]
+    out: dict[int, list[str]] = {}
+    for gi in graph.inputs:
+        if gi.role == "param" or (gi.role == "opt_state" and options.zero_stage == 0):
+            out[gi.index] = other
+    return out
+
+
+def build_problem(
+    graph: Graph,
+    cluster: Any,
+    mesh: Mapping[str, int],
+    options: SearchOptions,
+    memory_limit: float | None,
+) -> BuiltProblem:
+    """The :class:`BuiltProblem` of ``graph`` on ``mesh`` under ``options``."""
+    ctx = CostContext(cluster, mesh)
+    return ProblemBuilder(
+        graph,
+        ctx,
+        input_axes=_input_axes(graph, mesh, options),
+        tie_optimizer_state=options.zero_stage not in (1, 2),
+        coarsen=options.coarsen,
+        memory_limit=memory_limit,
+    ).build()
+
+
+def solve_within_memory(
+    bp: BuiltProblem, limit: float | None, time_limit_s: float
+) -> tuple[BuiltProblem, ShardingSolution]:
+    """Solve, then check the exact peak over every moment; add the moment that breaks the
+    bound as a constraint and re-solve (lazy constraint generation)."""
+    sol = solve(bp.problem, time_limit_s)
+    for _ in range(_LAZY_MEMORY_ROUNDS):
+        if not sol.ok or limit is None:
+            return bp, sol
+        peak, moment, _ = bp.peak(sol.choice)
+        if peak <= limit * (1 + 1e-9) or moment in bp.moments:
+            return bp, sol
+        bp = bp.with_moments([*bp.moments, moment])
+        sol = solve(bp.problem, time_limit_s)
+    return bp, sol
+
+
+def _lower_bound(bp: BuiltProblem) -> float:
+    return sum(min(n.costs) for n in bp.problem.nodes)
+
+
+# ----------------------------------------------------------------------------- naming
+
+
+def _role_names(bp: BuiltProblem, choice: Sequence[int], allowed: Sequence[str]) -> dict[str, str]:
+    """Rename placeholder axes by what the solution does with them.
+
+    Axes that split the batch dimension are ``data`` (then ``fsdp``), axes that split
+    the sequence but not the batch ``seq``, the rest ``tensor`` (then ``expert``).
+    """
+    g = bp.graph
+    mesh = list(bp.ctx.mesh_dict)
+    usage: dict[str, set[str]] = {a: set() for a in mesh}
+    for gi in g.inputs:
+        spec = bp.spec_of_input(gi.index, choice)
+        for d, dim in enumerate(spec):
+            for a in dim:
+                if gi.role == "batch":
+                    usage[a].add("batch" if d == 0 else "seq")
+                elif gi.role in ("param", "opt_state", "model_state"):
+                    usage[a].add("param")
+    pools = {
+        "batch": ["data", "fsdp"],
+        "seq": ["seq"],
+        "param": ["tensor", "expert"],
+        "none": ["data", "tensor", "seq", "fsdp", "expert"],
+    }
+    taken: set[str] = set()
+    out: dict[str, str] = {}
+    for a in mesh:
+        role = (
+            "batch"
+            if "batch" in usage[a]
+            else "seq"
+            if "seq" in usage[a]
+            else "param"
+            if "param" in usage[a]
+            else "none"
+        )
+        choices = [n for n in pools[role] + list(allowed) if n in allowed and n not in taken]
+        name = choices[0] if choices else a
+        taken.add(name)
+        out[a] = name
+    if len(set(out.values())) != len(out):
+        return {a: a for a in mesh}
+    return out
+
+
+def _rename(spec: Sharding, rename: Mapping[str, str]) -> Sharding:
+    return tuple(tuple(rename.get(a, a) for a in dim) for dim in spec)
+
+
+# ----------------------------------------------------------------------------- describing
+
+
+_WRAPPERS = re.compile(r"\b(?:jvp|transpose|vmap|remat|checkpoint|pjit|jit)\(|\)")
+
+
+def _clean_name(name: str) -> str:
+    return _WRAPPERS.sub("", name).strip("/")
+
+
+def _weight_operand(bp: BuiltProblem, op: Op) -> int | None:
+    """Which operand of a matmul is a parameter (traced back through its group)."""
+    for k, ref in enumerate(op.operands[:2]):
+        if ref is None or ref.op not in bp.op_group:
+            continue
+        g, _ = bp.op_group[ref.op]
+        lead = bp.ops[bp.groups[g].ops[0]]
+        if lead.root_role in ("param", "model_state"):
+            return k
+    return None
+
+
+def describe_strategy(bp: BuiltProblem, op: Op, tags, rename: Mapping[str, str]) -> str:
+    """Text like ``batch(data)+column(tensor)`` or ``row(tensor)+all-reduce``."""
+    weight = _weight_operand(bp, op) if op.node.primitive == "dot_general" else None
+    parts: list[str] = []
+    suffix: list[str] = []
+    for role, axes in tags:
+        ax = ",".join(rename.get(a, a) for a in axes)
+        if role in ("all-reduce", "reduce-scatter"):
+            suffix.append(role)
+            continue
+        kind, idx = re.match(r"([a-z]+)(\d*)", role).groups()
+        i = int(idx) if idx else 0
+        if op.node.primitive == "dot_general":
+            if kind == "b":
+                word = "expert" if weight is not None else ("batch" if i == 0 else "heads")
+            elif kind == "m":
+                word = "column" if weight == 0 else ("batch" if i == 0 else "seq")
+            elif kind == "n":
+                word = (
+                    "column"
+                    if weight == 1
+                    else ("batch" if weight == 0 and i == 0 else "seq" if weight == 0 else "rhs")
+                )
+            else:  # k
+                word = "row" if weight is not None else "contract"
+        elif op.node.primitive == "gather":
+            word = {"ib": "batch" if i == 0 else "seq", "off": "hidden", "idx": "vocab"}.get(
+                kind, kind
+            )
+        elif op.node.primitive.startswith("scatter"):
+            word = {"sb": "batch" if i == 0 else "seq", "win": "hidden", "idx": "vocab"}.get(
+                kind, kind
+            )
+        else:
+            word = kind
+        parts.append(f"{word}({ax})")
+    text = "+".join(parts) if parts else "replicated"
+    for s in dict.fromkeys(suffix):
+        text += f"+{s}"
+    return text
+
+
+def _layers(
+    bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str]
+) -> tuple[LayerStrategy, ...]:
+    g = bp.graph
+    scan_names = {}
+    for node in g.nodes:
+        if node.primitive == "scan":
+            scan_names[node.id] = (
+                f"{_clean_name(node.name_stack) or 'scan'}[x{node.params.get('length', node.length)}]"
+            )
+    per_layer: dict[str, list[tuple[str, str]]] = {}
+    order: list[str] = []
+    for group in bp.groups:
+        op = bp.ops[group.ops[0]]
+        if op.kind != "node" or op.phase != "forward":
+            continue
+        if op.node.primitive not in (
+            "dot_general",
+            "conv_general_dilated",
+            "gather",
+        ) and not op.node.primitive.startswith("scatter"):
+            continue
+        if op.scope:
+            layer = scan_names.get(op.scope[0][0], f"scan_{op.scope[0][0]}")
+        elif op.node.layer is not None and op.node.layer < len(g.layers):
+            layer = g.layers[op.node.layer].name
+        else:
+            layer = "(other)"
+        name = _clean_name(op.node.name_stack) or op.node.primitive
+        parts = name.split("/")
+        for p, part in enumerate(parts):  # drop everything up to the layer's own name
+            if part == layer or layer.startswith(part + "["):
+                name = "/".join(parts[p + 1 :]) or name
+                break
+        st = bp.strategy(op.index, choice)
+        if layer not in per_layer:
+            per_layer[layer] = []
+            order.append(layer)
+        per_layer[layer].append((name, describe_strategy(bp, op, st.tags, rename)))
+    return tuple(LayerStrategy(name, tuple(per_layer[name])) for name in order)
+
+
+def _activations(
+    bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str]
+) -> tuple[ActivationConstraint, ...]:
+    """Pin every group leader's results: with them fixed, XLA's propagation (and
+    :func:`evaluate_plan`) lands on the layouts the ILP chose for the followers too."""
+    out = []
+    for group in bp.groups:
+        op = bp.ops[group.ops[0]]
+        if op.kind != "node" or op.node.id < 0:
+            continue
+        st = bp.strategy(op.index, choice)
+        for port, spec in enumerate(st.outs):
+            if not op.node.out_tensors[port].ndim:
+                continue
+            out.append(
+                ActivationConstraint(
+                    op.node.id,
+                    port,
+                    to_plan_spec(_rename(spec, rename)),
+                    op.scope,
+                    op.node.name_stack,
+                )
+            )
+    return tuple(out)
+
+
+def _zero_stage(bp: BuiltProblem, choice: Sequence[int]) -> int:
+    g = bp.graph
+    batch_axes = {
+        a
+        for gi in g.inputs
+        if gi.role == "batch"
+        for a in (bp.spec_of_input(gi.index, choice) or ((),))[0]
+    }
+    if not batch_axes:
+        return 0
+
+    def uses(role: str) -> bool:
+        return any(
+            a in batch_axes
+            for gi in g.inputs
+            if gi.role == role
+            for dim in bp.spec_of_input(gi.index, choice)
+            for a in dim
+        )
+
+    if uses("param"):
+        return 3
+    return 1 if uses("opt_state") else 0
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def plan_graph(
+    graph: Graph, cluster: Any, options: SearchOptions | None = None, *, results: list | None = None
+) -> Plan:
+    """Search a parallel plan for a traced training step.
+
+    Args:
+        graph: from ``autopar.trace``.
+        cluster: a ``cost_models.Cluster``.
+        options: what is fixed and what is searched (default: everything searched).
+        results: if given, a list that receives one :class:`MeshResult` per mesh looked at.
+
+    Returns:
+        The plan with the lowest predicted step time that fits the memory bound.
+
+    Raises:
+        InvalidOptionError: the options ask for something the search cannot do yet
+            (pipelining, rematerialisation) or a mesh larger than the cluster.
+        InfeasiblePlanError: no mesh and layout fits the per-device memory bound; the
+            message gives the bound, the smallest footprint found and the excess.
+
+    Example:
+        >>> plan = plan_graph(graph, Cluster.preset("dgx-a100-80gb"),    # doctest: +SKIP
+        ...                   SearchOptions(mesh={"data": 2, "tensor": 4}))
+        >>> plan.input("params/wte/embedding").spec                      # doctest: +SKIP
+        (None, 'tensor')
+    """
+    import cost_models
+
+    options = options or SearchOptions()
+    if options.pipeline_stages is not None and options.pipeline_stages > 1:
+        raise InvalidOptionError(
+            f"pipeline_stages={options.pipeline_stages}: pipelining is not available yet; "
+            "use pipeline_stages=None or 1."
+        )
+    if options.remat not in (None, "none"):
+        raise InvalidOptionError(
+            f"remat={options.remat!r}: rematerialisation is not available yet; use None or 'none'."
+        )
+    if options.mesh is not None:
+        size = 1
+        for s in options.mesh.values():
+            size *= s
+        if size > cluster.num_devices:
+            raise InvalidOptionError(
+                f"mesh {dict(options.mesh)} needs {size} devices; the cluster has {cluster.num_devices}."
+            )
+    limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
+    meshes = candidate_meshes(cluster.num_devices, options)
+    tried: list[MeshResult] = []
+    for mesh in meshes:
+        bp = build_problem(graph, cluster, mesh, options, limit)
+        tried.append(MeshResult(mesh, _lower_bound(bp), bp))
+    tried.sort(key=lambda r: r.bound_s)
+    eta = cluster.overlap_efficiency
+    best: MeshResult | None = None
+    solved = 0
+    for r in tried:
+        if solved >= options.max_meshes:
+            r.skipped = "max_meshes reached"
+            continue
+        if best is not None and (1 - eta) * r.bound_s > best.evaluation.step_time_s:
+            r.skipped = "lower bound above the best step time"
+            continue
+        solved += 1
+        r.built, r.solution = solve_within_memory(r.built, limit, options.solver_time_limit_s)
+        if not r.solution.ok:
+            if r.solution.status == "infeasible":
+                low = solve(r.built.problem, options.solver_time_limit_s, minimize="memory")
+                if low.ok:
+                    r.min_memory_bytes = r.built.peak(low.choice)[0]
+            continue
+        r.evaluation = decode(
+            r.built, r.solution.choice, status=r.solution.status, memory_limit=limit
+        )
+        if best is None or r.evaluation.step_time_s < best.evaluation.step_time_s:
+            best = r
+    if results is not None:
+        results.extend(tried)
+    if best is None:
+        lows = [(r.min_memory_bytes, r.mesh) for r in tried if r.min_memory_bytes is not None]
+        if lows:
+            low, mesh = min(lows, key=lambda t: t[0])
+            raise InfeasiblePlanError(
+                f"no plan fits the memory bound of {limit:.4g} bytes ({limit / 2**30:.3f} GiB) "
+                f"per device: the smallest footprint found needs {low:.4g} bytes "
+                f"({low / 2**30:.3f} GiB, on mesh {mesh}), {low - limit:.4g} bytes "
+                f"({(low / limit - 1) * 100:.1f}%) over. Use more devices, a larger "
+                "memory_limit_bytes, or a smaller batch."
+            )
+        raise InfeasiblePlanError(
+            f"no plan found within {options.solver_time_limit_s} s on meshes "
+            f"{[r.mesh for r in tried]}; raise solver_time_limit_s."
+        )
+
+    bp, choice = best.built, best.solution.choice
+    if options.mesh is None and options.zero_stage is None:
+        rename = _role_names(bp, choice, [a for a in options.axes if a != "pipe"])
+    else:
+        rename = {a: a for a in bp.ctx.mesh_dict}
+    evaluation = decode(bp, choice, rename, status=best.solution.status, memory_limit=limit)
+    return Plan(
+        mesh={rename[a]: s for a, s in bp.ctx.mesh_dict.items()},
+        inputs=tuple(
+            TensorSharding(
+                gi.path,
+                gi.tensor.shape,
+                gi.tensor.dtype,
+                to_plan_spec(_rename(bp.spec_of_input(gi.index, choice), rename)),
+                gi.role,
+            )
+            for gi in graph.inputs
+        ),
+        outputs=tuple(
+            TensorSharding(
+                go.path,
+                go.tensor.shape,
+                go.tensor.dtype,
+                to_plan_spec(_rename(bp.spec_of_output(go.index, choice), rename)),
+                "output",
+            )
+            for go in graph.outputs
+        ),
+        activations=_activations(bp, choice, rename),
+        zero_stage=_zero_stage(bp, choice),
+        layers=_layers(bp, choice, rename),
+        predicted=evaluation.to_predicted(),
+        cluster=cluster.to_json(),
+        cost_model_version=cost_models.COST_MODEL_VERSION,
+        in_tree=graph.in_tree,
+        out_tree=graph.out_tree,
+    )
+
+
+__all__ = ["MeshResult", "build_problem", "candidate_meshes", "plan_graph"]
