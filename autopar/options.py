@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from types import MappingProxyType
 from typing import Literal
 
 from autopar.errors import InvalidOptionError
@@ -85,7 +84,7 @@ class SearchOptions:
                     raise InvalidOptionError(
                         f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1."
                     )
-            object.__setattr__(self, "mesh", MappingProxyType(dict(self.mesh)))
+            object.__setattr__(self, "mesh", dict(self.mesh))
         bad = [a for a in self.axes if a not in AXIS_NAMES]
         if bad:
             raise InvalidOptionError(f"axes {bad} are unknown; use names from {AXIS_NAMES}.")

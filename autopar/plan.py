@@ -21,7 +21,6 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from types import MappingProxyType
 from typing import Any, Literal
 
 from autopar.errors import LoadPlanError
@@ -219,7 +218,7 @@ class Predicted:
     objective: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memory_breakdown", MappingProxyType(dict(self.memory_breakdown)))
+        object.__setattr__(self, "memory_breakdown", dict(self.memory_breakdown))
         object.__setattr__(self, "collectives", tuple(self.collectives))
 
     def to_json(self) -> dict:
@@ -278,8 +277,8 @@ class Plan:
     out_tree: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mesh", MappingProxyType(dict(self.mesh)))
-        object.__setattr__(self, "cluster", MappingProxyType(dict(self.cluster)))
+        object.__setattr__(self, "mesh", dict(self.mesh))
+        object.__setattr__(self, "cluster", dict(self.cluster))
         for name in ("inputs", "outputs", "activations", "layers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 

@@ -5,7 +5,6 @@ Example:
     >>> state, loss = lowered(state, batch)                               # doctest: +SKIP
 """
 
-from autopar.lower.interpret import evaluate, inline_jaxpr
 from autopar.lower.lowering import (
     CPU_MEMORY_COMPILER_OPTIONS,
     LoweredStep,
@@ -24,8 +23,6 @@ __all__ = [
     "arg_names",
     "check_leaves",
     "data_parallel_axes",
-    "evaluate",
-    "inline_jaxpr",
     "leaf_paths",
     "lower_plan",
     "make_mesh",

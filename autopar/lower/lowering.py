@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +39,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.errors import LoadPlanError, LowerPlanError
-from autopar.lower.interpret import Scope, body_jaxprs, evaluate
 from autopar.lower.mesh import make_mesh
 from autopar.options import LoweringOptions
 from autopar.plan import (
@@ -51,6 +49,8 @@ from autopar.plan import (
     spec_axes,
     to_partition_spec,
 )
+
+Scope = tuple[tuple[int, int], ...]
 
 # Axes that never split the batch: ZeRO-3's "gathered" spec keeps them.
 _MODEL_AXES = frozenset({"tensor", "expert", "seq", "pipe"})
@@ -330,51 +330,36 @@ def _same_avals(args: Sequence[Any], abstract: Sequence[Any]) -> bool:
 
 
 def _constraint_hook(
-    constraints: Sequence[ActivationConstraint], graph: Any, mesh: Mesh
-) -> tuple[Callable, Callable[[Scope], bool]]:
+    constraints: Sequence[ActivationConstraint], mesh: Mesh
+) -> tuple[Callable[[Any, list[Any]], list[Any]], Callable[[Any], bool]]:
+    """``hook(node, outs)`` applying the constraints, and the predicate choosing which loop
+    bodies to re-trace (those holding a constraint at any depth)."""
     by_point: dict[tuple[Scope, int], list[tuple[int, NamedSharding, ActivationConstraint]]] = {}
-    scopes: set[Scope] = set()
+    inside: set[tuple[Scope, int]] = set()  # (scope, node) of loops with constraints within
     for c in constraints:
-        for i in range(1, len(c.scope) + 1):
-            scopes.add(tuple(c.scope[:i]))
+        for i in range(len(c.scope)):
+            inside.add((tuple(c.scope[:i]), c.scope[i][0]))
         by_point.setdefault((tuple(c.scope), c.node), []).append(
             (c.output, NamedSharding(mesh, to_partition_spec(c.spec)), c)
         )
 
-    def hook(scope: Scope, k: int, outs: list[Any]) -> list[Any]:
-        for out_i, sharding, c in by_point.get((scope, k), ()):
+    def hook(node: Any, outs: list[Any]) -> list[Any]:
+        for out_i, sharding, c in by_point.get((tuple(node.scope), node.id), ()):
             if out_i >= len(outs):
                 raise LowerPlanError(
-                    f"activation constraint {c.name or ''} at node {k} (scope {scope}) names "
-                    f"output {out_i}, but the equation has {len(outs)} outputs."
+                    f"activation constraint {c.name!r} at node {node.id} (scope {c.scope}) "
+                    f"names output {out_i}, but {node.primitive} has {len(outs)} outputs; "
+                    "the plan was made for another graph."
                 )
-            _check_spec(c.spec, outs[out_i].shape, mesh, f"activation node {k} {c.name}")
+            where = f"activation constraint {c.name!r} (node {node.id}, scope {c.scope})"
+            _check_spec(c.spec, outs[out_i].shape, mesh, where)
             outs[out_i] = jax.lax.with_sharding_constraint(outs[out_i], sharding)
         return outs
 
-    return hook, scopes.__contains__
+    def into_bodies(node: Any) -> bool:
+        return (tuple(node.scope), node.id) in inside
 
-
-def _body_lookup(graph: Any) -> Callable[[Scope], Any]:
-    """The tracer's inlined body jaxpr for a scope, when its graph carries one."""
-
-    def body_of(scope: Scope) -> Any:
-        g = graph
-        for node, b in scope:
-            nodes = getattr(g, "nodes", ())
-            if node >= len(nodes) or b >= len(nodes[node].body):
-                return None
-            g = nodes[node].body[b]
-        return getattr(g, "jaxpr", None)
-
-    return body_of
-
-
-def _check_body(scope: Scope, body: Any, default: Any) -> Any:
-    if body is None:
-        return None
-    same = [v.aval for v in body.jaxpr.invars] == [v.aval for v in default.jaxpr.invars]
-    return body if same else None
+    return hook, into_bodies
 
 
 def _gathered(spec: Spec, data_axes: frozenset[str]) -> Spec:
@@ -480,13 +465,13 @@ def lower_plan(
     body: Callable[..., Any] = bound
     constraints = plan.activations if options.activation_constraints else ()
     if constraints:
-        if graph is None or getattr(graph, "jaxpr", None) is None:
+        if graph is None or getattr(graph, "jaxpr", None) is None or not hasattr(graph, "nodes"):
             raise LowerPlanError(
                 f"the plan has {len(constraints)} activation constraints, which are placed "
                 "on the traced jaxpr: pass graph=autopar.trace(fn, *args) to lower_plan "
                 "(or LoweringOptions(activation_constraints=False) to drop them)."
             )
-        body = _interpreted(graph, constraints, mesh, in_tree, out_tree)
+        body = _interpreted(graph, constraints, mesh, out_tree)
 
     if plan.zero_stage == 3:
         body = _zero3_gather(body, plan, mesh, in_tree)
@@ -517,35 +502,39 @@ def lower_plan(
     )
 
 
-def _interpreted(
-    graph: Any, constraints: Sequence[ActivationConstraint], mesh: Mesh, in_tree: Any, out_tree: Any
-) -> Callable[..., Any]:
-    closed = graph.jaxpr
-    n_nodes = len(closed.jaxpr.eqns)
+def _check_constraints(graph: Any, constraints: Sequence[ActivationConstraint]) -> None:
+    """Every constraint names an existing node (at its scope) of ``graph``."""
     for c in constraints:
-        if not c.scope and not 0 <= c.node < n_nodes:
+        g = graph
+        for node, b in c.scope:
+            if node >= len(g.nodes) or b >= len(g.nodes[node].body):
+                raise LowerPlanError(
+                    f"activation constraint {c.name!r} has scope {c.scope}, which is not a loop "
+                    "body of the traced graph; the plan was made for another graph."
+                )
+            g = g.nodes[node].body[b]
+        if not 0 <= c.node < len(g.nodes):
             raise LowerPlanError(
-                f"activation constraint {c.name!r} names node {c.node}, but the traced jaxpr "
-                f"has {n_nodes} equations; the plan was made for another graph."
+                f"activation constraint {c.name!r} names node {c.node}, but the graph at scope "
+                f"{c.scope} has {len(g.nodes)} nodes; the plan was made for another graph."
             )
-    hook, wants = _constraint_hook(constraints, graph, mesh)
-    lookup = _body_lookup(graph)
 
-    def body_of(scope: Scope) -> Any:
-        # Only the tracer's body if it has the signature of the equation's own body.
-        parent = closed
-        for node, b in scope[:-1]:
-            parent = body_jaxprs(parent.jaxpr.eqns[node])[b]
-        node, b = scope[-1]
-        default = body_jaxprs(parent.jaxpr.eqns[node])[b]
-        return _check_body(scope, lookup(scope), default)
+
+def _interpreted(
+    graph: Any, constraints: Sequence[ActivationConstraint], mesh: Mesh, out_tree: Any
+) -> Callable[..., Any]:
+    """The step as the traced jaxpr re-run with ``with_sharding_constraint`` at the plan's
+    activation points (via :func:`autopar.trace.evaluate_inlined`)."""
+    from autopar.trace import evaluate_inlined
+
+    _check_constraints(graph, constraints)
+    hook, into_bodies = _constraint_hook(constraints, mesh)
 
     def run(*dyn_args: Any) -> Any:
         flat = jax.tree_util.tree_leaves(dyn_args)
-        outs = evaluate(closed, flat, hook, (), wants_scope=wants, body_of=body_of)
+        outs = evaluate_inlined(graph, *flat, hook=hook, into_bodies=into_bodies)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
-    functools.update_wrapper(run, getattr(graph, "fn", run), updated=())
     return run
 
 

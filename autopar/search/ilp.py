@@ -355,6 +355,7 @@ class ProblemBuilder:
         self._keys: dict[int, tuple] = {}
         self._layer_of_op: dict[int, tuple[int, int]] = {}
         self._restrict: dict[int, dict[int, Sharding]] = {}  # leader op -> pinned results
+        self._no_shard: dict[int, set[int]] = {}  # graph input -> dims kept whole
 
     # -- 1. flatten -----------------------------------------------------------------------
     def _new_op(
@@ -466,6 +467,10 @@ class ProblemBuilder:
             v = node.inputs[i]
             outer = env.get(v) if v >= 0 else None
             lead = 1 if i >= nc + ncar else 0
+            if lead and outer is not None and self.ops[outer.op].kind == "input":
+                # Stacked layer parameters: a layer-sharded stack would be all-gathered
+                # whole before the loop; keep the scanned dim whole from the start.
+                self._no_shard.setdefault(self.ops[outer.op].input.index, set()).add(0)
             ins = [node.in_tensors[i]]
             operands: list[Ref | None] = [outer]
             if nc <= i < nc + ncar:
@@ -569,7 +574,9 @@ class ProblemBuilder:
         if fixed is not None:
             return [fixed]
         axes = self.input_axes.get(gi.index)
-        return enumerate_shardings(gi.tensor.shape, self.ctx.mesh, axes)
+        whole = self._no_shard.get(gi.index, set())
+        dims = [d for d in range(gi.tensor.ndim) if d not in whole]
+        return enumerate_shardings(gi.tensor.shape, self.ctx.mesh, axes, dims)
 
     def _leader_strategies(self, op: Op) -> list[OpStrategy]:
         if op.kind == "node":
@@ -701,24 +708,35 @@ class ProblemBuilder:
         return edges, refs
 
     # -- aliases ------------------------------------------------------------------------
-    def _aliases(self, where: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
+    def _families(self) -> dict[int, int]:
+        """Graph input index -> the input whose sharding it shares (a parameter and its
+        optimizer state), and the union of their layout restrictions."""
         g = self.graph
-        sets: dict[int, set[int]] = {}  # input index -> group set (one per alias family)
-        family: dict[int, int] = {gi.index: gi.index for gi in g.inputs}
+        family = {gi.index: gi.index for gi in g.inputs}
         if self.tie:
             for p, states in match_optimizer_state(g).items():
                 for s in states:
-                    if self.fixed_inputs.get(s) == self.fixed_inputs.get(p) or (
-                        s not in self.fixed_inputs and p not in self.fixed_inputs
-                    ):
+                    same_fix = self.fixed_inputs.get(s) == self.fixed_inputs.get(p)
+                    same_axes = self.input_axes.get(s) == self.input_axes.get(p)
+                    if same_fix and same_axes:
                         family[s] = p
-        for gi in g.inputs:
-            sets.setdefault(family[gi.index], set()).add(where[self.input_ops[gi.index]][0])
+        members: dict[int, list[int]] = {}
+        for i, root in family.items():
+            members.setdefault(root, []).append(i)
+        for group in members.values():
+            whole = set().union(*(self._no_shard.get(i, set()) for i in group))
+            for i in group:
+                self._no_shard[i] = whole
+        return family
+
+    def _aliases(self, where: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
+        sets: dict[int, set[int]] = {}  # family root -> its groups (inputs and output sinks)
+        for gi in self.graph.inputs:
+            sets.setdefault(self._family[gi.index], set()).add(where[self.input_ops[gi.index]][0])
         for op in self.ops:
             if op.kind == "output":
-                sets.setdefault(family[op.input.index], set()).add(where[op.index][0])
-        out = [tuple(sorted(s)) for s in sets.values() if len(s) > 1]
-        return out
+                sets.setdefault(self._family[op.input.index], set()).add(where[op.index][0])
+        return [tuple(sorted(s)) for s in sets.values() if len(s) > 1]
 
     def _layer_ties(
         self, groups: list[Group], where: dict[int, tuple[int, int]]
@@ -749,7 +767,7 @@ class ProblemBuilder:
                         continue  # tie leaders only; followers come along
                     if self._key(self.ops[oa]) != self._key(self.ops[ob]):
                         continue
-                    if len(groups[ga].strategies) == len(groups[gb].strategies):
+                    if _same_layouts(groups[ga], groups[gb]):
                         ties.append((ga, gb))
                     # Tie the inputs each leader reads directly (the layer's parameters).
                     for ra, rb in zip(self.ops[oa].operands, self.ops[ob].operands, strict=True):
@@ -758,9 +776,7 @@ class ProblemBuilder:
                         ia, ib = self.ops[ra.op], self.ops[rb.op]
                         if ia.kind == "input" and ib.kind == "input":
                             gia, gib = where[ia.index][0], where[ib.index][0]
-                            if gia != gib and len(groups[gia].strategies) == len(
-                                groups[gib].strategies
-                            ):
+                            if gia != gib and _same_layouts(groups[gia], groups[gib]):
                                 ties.append((gia, gib))
         return ties
 
@@ -811,6 +827,7 @@ class ProblemBuilder:
     # -- build --------------------------------------------------------------------------
     def build(self) -> BuiltProblem:
         self._flatten()
+        self._family = self._families()
         groups, where = self._group()
         for op in self.ops:  # what a scan-body input reads, traced back to a graph input
             if op.kind == "body_input" and op.operands[0] is not None:
@@ -880,6 +897,16 @@ _KNOWN = frozenset(
         "scatter_mul",
     ]
 )
+
+
+def _same_layouts(a: Group, b: Group) -> bool:
+    """Whether two groups' strategy lists line up index by index (safe to alias)."""
+    if len(a.strategies) != len(b.strategies):
+        return False
+    return all(
+        x[0].outs == y[0].outs and x[0].ins == y[0].ins
+        for x, y in zip(a.strategies, b.strategies, strict=True)
+    )
 
 
 def _count_nodes(graph: Graph) -> int:

@@ -357,12 +357,12 @@ def _pairs(attrs: str) -> list[list[int]]:
     m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
     if not m:
         return []
-    return [[int(x) for x in re.findall(r"\d+", p)] for p in re.findall(r"\{([^{}]*)", m.group(1) + "}")]
+    return [
+        [int(x) for x in re.findall(r"\d+", p)] for p in re.findall(r"\{([^{}]*)", m.group(1) + "}")
+    ]
 
 
-def group_axes(
-    groups: Sequence[Sequence[int]], mesh: Mapping[str, int]
-) -> tuple[str, ...]:
+def group_axes(groups: Sequence[Sequence[int]], mesh: Mapping[str, int]) -> tuple[str, ...]:
     """The mesh axes a collective's groups span (device id = position in the mesh,
     row-major, as :func:`autopar.lower.make_mesh` lays devices out).
 

@@ -157,36 +157,27 @@ class VerifyReport:
         """HLO collective bytes per step (of one kind, or all)."""
         return sum(c.total_bytes for c in self.collectives if kind is None or c.kind == kind)
 
-    def to_text(self, width: int = 110) -> str:
+    def to_text(self, width: int = 100) -> str:
+        """The report as a fixed-width table (rich), one row per kind plus peak memory."""
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"verify: plan {self.plan_name!r}", show_lines=False)
-        for col, just in (
-            ("collective", "left"),
-            ("pred. count", "right"),
-            ("HLO count", "right"),
-            ("pred. bytes", "right"),
-            ("HLO bytes", "right"),
-            ("error", "right"),
-            ("share", "right"),
-            ("pred. axes", "left"),
-            ("HLO axes", "left"),
-            ("status", "left"),
-        ):
-            table.add_column(col, justify=just)  # type: ignore[arg-type]
+        table = Table(title=f"verify: plan {self.plan_name!r}")
+        table.add_column("collective", no_wrap=True)
+        for col in ("count pred/HLO", "bytes pred", "bytes HLO", "error", "share"):
+            table.add_column(col, justify="right", no_wrap=True)
+        table.add_column("axes pred/HLO", no_wrap=True)
+        table.add_column("status", no_wrap=True)
         for r in self.rows:
             err = r.bytes_error
             table.add_row(
                 r.kind,
-                "-" if r.predicted_count is None else str(r.predicted_count),
-                str(r.hlo_count),
+                f"{'-' if r.predicted_count is None else r.predicted_count}/{r.hlo_count}",
                 "-" if r.predicted_bytes is None else _fmt_bytes(r.predicted_bytes),
                 _fmt_bytes(r.hlo_bytes),
                 "-" if err is None else f"{err:+.1%}",
                 f"{r.share:.1%}",
-                ",".join(r.predicted_axes) or "-",
-                ",".join(r.hlo_axes) or "-",
+                f"{','.join(r.predicted_axes) or '-'}/{','.join(r.hlo_axes) or '-'}",
                 r.status,
             )
         m = self.memory
@@ -195,11 +186,9 @@ class VerifyReport:
             table.add_row(
                 "peak memory",
                 "",
-                "",
                 _fmt_bytes(m.predicted_bytes) if m.checked else "-",
                 _fmt_bytes(m.compiled_bytes),
                 "-" if err is None else f"{err:+.1%}",
-                "",
                 "",
                 "",
                 ("ok" if m.ok else "memory") if m.checked else "unpredicted",
@@ -232,7 +221,7 @@ class _Null:
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.2f}"
 
@@ -282,8 +271,10 @@ def verify(
     """
     notes: list[str] = []
     is_compiled = hasattr(lowered, "as_text") and not hasattr(lowered, "compiler_ir")
-    is_compiled = is_compiled and not hasattr(lowered, "abstract_args") and hasattr(
-        lowered, "memory_analysis"
+    is_compiled = (
+        is_compiled
+        and not hasattr(lowered, "abstract_args")
+        and hasattr(lowered, "memory_analysis")
     )
     if hlo_text is None:
         if is_compiled:

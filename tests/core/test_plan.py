@@ -72,11 +72,13 @@ def test_save_is_atomic_and_loads(tmp_path):
 
 def test_in_specs_unflatten_to_the_argument_tree():
     p = _plan()
-    args = ({"params": {"w": 0}, "opt_state": {"mu": {"w": 0}}}, {"x": 0})
+    # Leaves flatten in sorted-key order: a/w, b/mu/w, x, matching the plan's records.
+    args = ({"a": {"w": 0}, "b": {"mu": {"w": 0}}}, {"x": 0})
     _, tree = jax.tree_util.tree_flatten(args)
     bound = p.bind(tree, None)
     specs = bound.in_specs
-    assert specs[0]["params"]["w"] == P(None, "tensor")
+    assert specs[0]["a"]["w"] == P(None, "tensor")
+    assert specs[0]["b"]["mu"]["w"] == P("data", "tensor")
     assert specs[1]["x"] == P("data")
     # Unbound plans (loaded from JSON) give a dict by path.
     assert p.in_specs["batch/x"] == P("data")
