@@ -53,7 +53,9 @@ def _model_step(model: str, preset: str | None, batch: int, abstract: bool):
         raise InvalidOptionError(f"model {model!r} is unknown; choose one of {MODELS}.")
     mod = importlib.import_module(f"benchmarks.models.{model}")
     config_cls = next(
-        getattr(mod, n) for n in dir(mod) if n.endswith("Config") and n != "Config" and not n.startswith("_")
+        getattr(mod, n)
+        for n in dir(mod)
+        if n.endswith("Config") and n != "Config" and not n.startswith("_")
     )
     config = config_cls.preset(preset or "tiny")
     return mod.make_train_step(config, batch, abstract=abstract)

@@ -125,7 +125,9 @@ def run_demo(
     verify_text = str(f.verify(state, batch))
     echo(verify_text)
     path = write_report(
-        plan, out_dir, sections={"Loss check": loss_text + verdict, "Predicted vs compiled": verify_text}
+        plan,
+        out_dir,
+        sections={"Loss check": loss_text + verdict, "Predicted vs compiled": verify_text},
     )
     echo(f"Report written to {path}")
     return DemoResult(

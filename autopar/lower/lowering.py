@@ -238,17 +238,24 @@ class LoweredStep:
     def place_inputs(self, args: Sequence[Any]) -> tuple[Any, ...]:
         """The dynamic arguments laid out as planned.
 
-        Arrays already on their planned sharding pass through untouched; everything else
-        is copied with ``jax.device_put(..., may_alias=False)``, so a donated argument's
-        copy can be consumed while the caller's array stays valid.
+        Arrays already on their planned sharding pass through untouched (and are donated
+        if their argument is in ``donate_argnums``). Everything else is first copied
+        (``jax.device_put(x, x.sharding, may_alias=False)``, or ``np.array`` for host
+        data) and the copy is placed: in JAX 0.10 ``device_put(x, sharding,
+        may_alias=False)`` from one device onto a mesh still reuses ``x``'s buffer as a
+        shard (measured), so donating the placed array would delete the caller's.
         """
         dyn = self._dynamic(args)
 
         def place(x: Any, s: NamedSharding) -> Any:
             if isinstance(x, jax.core.Tracer):
                 return x
-            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
-                return x
+            if isinstance(x, jax.Array):
+                if x.sharding.is_equivalent_to(s, x.ndim):
+                    return x
+                x = jax.device_put(x, x.sharding, may_alias=False)
+            else:
+                x = np.array(x, copy=True)
             return jax.device_put(x, s, may_alias=False)
 
         return tuple(jax.tree.map(place, a, s) for a, s in zip(dyn, self.in_shardings, strict=True))

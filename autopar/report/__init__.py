@@ -5,4 +5,12 @@ from autopar.report.html import write_report
 from autopar.report.plots import save_plots
 from autopar.report.text import format_bytes, format_seconds, format_spec, summary
 
-__all__ = ["diff", "format_bytes", "format_seconds", "format_spec", "save_plots", "summary", "write_report"]
+__all__ = [
+    "diff",
+    "format_bytes",
+    "format_seconds",
+    "format_spec",
+    "save_plots",
+    "summary",
+    "write_report",
+]

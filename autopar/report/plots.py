@@ -31,7 +31,9 @@ def time_breakdown_figure(plans: Sequence[Plan]):
     bubble = [p.predicted.bubble_s * 1e3 for p in plans]
     ax.bar(names, compute, label="compute")
     ax.bar(names, comm, bottom=compute, label="exposed comm")
-    ax.bar(names, bubble, bottom=[c + m for c, m in zip(compute, comm, strict=True)], label="bubble")
+    ax.bar(
+        names, bubble, bottom=[c + m for c, m in zip(compute, comm, strict=True)], label="bubble"
+    )
     ax.set_ylabel("predicted ms / step")
     ax.legend(fontsize=8)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
@@ -68,7 +70,10 @@ def save_plots(plan: Plan | Sequence[Plan], out_dir: str) -> list[str]:
     plans = [plan] if isinstance(plan, Plan) else list(plan)
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for name, make in (("time.png", time_breakdown_figure), ("memory.png", memory_breakdown_figure)):
+    for name, make in (
+        ("time.png", time_breakdown_figure),
+        ("memory.png", memory_breakdown_figure),
+    ):
         fig = make(plans)
         path = os.path.join(out_dir, name)
         fig.savefig(path, dpi=110)

@@ -148,9 +148,7 @@ def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
     )
     if plan.pipeline is not None:
         pp = plan.pipeline
-        head += (
-            f", pipeline {pp.num_stages} stages {pp.schedule} x {pp.microbatches} microbatches"
-        )
+        head += f", pipeline {pp.num_stages} stages {pp.schedule} x {pp.microbatches} microbatches"
     parts: list[object] = [head, cost_table(plan)]
     if plan.predicted.collectives:
         parts.append(collectives_table(plan))

@@ -21,7 +21,7 @@ from typing import Any
 from autopar.errors import InvalidOptionError, LoadPlanError
 from autopar.plan import Plan, Predicted, PredictedCollective
 from autopar.search.costs import CostContext
-from autopar.search.ilp import BuiltProblem, ProblemBuilder, collective_class
+from autopar.search.ilp import BuiltProblem, ProblemBuilder, collective_class, objective_weight
 from autopar.search.sharding import Collective, Sharding, from_plan_spec
 from autopar.search.solver import solve
 from autopar.trace.graph import Graph
@@ -33,7 +33,9 @@ class Evaluation:
 
     Attributes:
         mesh: the plan's mesh.
-        objective_s: compute + every collective, serialised (what the ILP minimises).
+        objective_s: what the ILP minimises: compute + collectives, with the overlappable
+            classes (gradient reductions, parameter gathers) counted at
+            ``1 - overlap_efficiency`` (see ``ilp.objective_weight``).
         step_time_s: ``compose_step_time`` of the parts: overlappable collectives
             (gradient reductions, parameter gathers) hide behind compute.
         compute_s: compute time.
@@ -156,7 +158,11 @@ def decode(
             if op.phase == "backward":
                 backward += op.weight * st.compute_s
             for c in st.comm:
-                add(c, op.weight, collective_class(bp, c, op=op, source=None, rename=rename))
+                add(
+                    c,
+                    op.weight,
+                    collective_class(bp.param_shapes, c, op=op, source=None, rename=rename),
+                )
             # Resharding inside the group.
             for k, ref in enumerate(op.operands):
                 if ref is None or bp.op_group.get(ref.op, (-1,))[0] != g or k >= len(st.ins):
@@ -168,7 +174,13 @@ def decode(
                 t = op.node.in_tensors[k]
                 w = min(op.weight, bp.ops[ref.op].weight)
                 for c in bp.ctx.reshard(t.shape, t.dtype, have, need)[1]:
-                    add(c, w, collective_class(bp, c, op=op, source=leader(ref.op), rename=rename))
+                    add(
+                        c,
+                        w,
+                        collective_class(
+                            bp.param_shapes, c, op=op, source=leader(ref.op), rename=rename
+                        ),
+                    )
     for e in bp.edges:
         op = bp.ops[e.op]
         st = bp.strategy(e.op, choice)
@@ -181,8 +193,14 @@ def decode(
         t = op.node.in_tensors[e.operand]
         w = min(op.weight, bp.ops[e.ref.op].weight)
         for c in bp.ctx.reshard(t.shape, t.dtype, have, need)[1]:
-            add(c, w, collective_class(bp, c, op=op, source=leader(e.ref.op), rename=rename))
+            add(
+                c,
+                w,
+                collective_class(bp.param_shapes, c, op=op, source=leader(e.ref.op), rename=rename),
+            )
 
+    eta = float(bp.ctx.cluster.overlap_efficiency)
+    weighted = sum(objective_weight(cls, eta) * acc[2] for (_, _, cls), acc in colls.items())
     collectives = tuple(
         PredictedCollective(kind, axes, b, max(1, round(n)), t, cls)
         for (kind, axes, cls), (b, n, t) in sorted(colls.items())
@@ -197,7 +215,7 @@ def decode(
     peak, moment, breakdown = bp.peak(choice)
     return Evaluation(
         mesh={rename.get(a, a): s for a, s in bp.ctx.mesh_dict.items()},
-        objective_s=compute + comm,
+        objective_s=compute + weighted,
         step_time_s=step.total_s,
         compute_s=compute,
         backward_compute_s=backward,

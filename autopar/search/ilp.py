@@ -355,6 +355,13 @@ class ProblemBuilder:
         self._keys: dict[int, tuple] = {}
         self._layer_of_op: dict[int, tuple[int, int]] = {}
         self._restrict: dict[int, dict[int, Sharding]] = {}  # leader op -> pinned results
+        self.param_shapes = frozenset(
+            shape
+            for gi in graph.inputs
+            if gi.role in ("param", "model_state")
+            for shape in (gi.tensor.shape, gi.tensor.shape[1:])
+        )
+        self.eta = float(ctx.cluster.overlap_efficiency)
         self._no_shard: dict[int, set[int]] = {}  # graph input -> dims kept whole
 
     # -- 1. flatten -----------------------------------------------------------------------
@@ -589,9 +596,18 @@ class ProblemBuilder:
                 hit = [st for st in hit if all(st.outs[p] == s for p, s in pinned.items())]
             return hit
         if op.kind == "input":
-            return [
-                OpStrategy(format_sharding(s), (), (s,), 0.0) for s in self._input_specs(op.input)
-            ]
+            out = []
+            for s in self._input_specs(op.input):
+                # Batch data is written into device memory every step: sharding it
+                # writes less (and breaks ties towards sharded inputs).
+                cost = 0.0
+                if op.input.role in ("batch", "other"):
+                    t = op.input.tensor
+                    cost = self.ctx.compute(
+                        0.0, t.nbytes / shards(s, self.ctx.mesh), t.dtype, "other"
+                    )
+                out.append(OpStrategy(format_sharding(s), (), (s,), cost))
+            return out
         if op.kind == "output":
             return [
                 OpStrategy(format_sharding(s), (s,), (), 0.0) for s in self._input_specs(op.input)
@@ -622,6 +638,23 @@ class ProblemBuilder:
             hit = self._follow_cache[key] = follow_strategy(op.node, k, spec, self.ctx)
         return hit
 
+    def _strategy_cost(self, op: Op, st: OpStrategy) -> float:
+        """Compute plus the strategy's collectives, weighted as the objective counts them."""
+        cost = st.compute_s
+        for c in st.comm:
+            cls = collective_class(self.param_shapes, c, op=op, source=None)
+            cost += objective_weight(cls, self.eta) * c.time_s
+        return cost
+
+    def _reshard_cost(
+        self, t: TensorInfo, have: Sharding, need: Sharding, op: Op, source: Op
+    ) -> float:
+        total = 0.0
+        for c in self.ctx.reshard(t.shape, t.dtype, have, need)[1]:
+            cls = collective_class(self.param_shapes, c, op=op, source=source)
+            total += objective_weight(cls, self.eta) * c.time_s
+        return total
+
     def _price_groups(self, groups: list[Group], where: dict[int, tuple[int, int]]) -> None:
         for g in groups:
             leader = self.ops[g.ops[0]]
@@ -638,7 +671,7 @@ class ProblemBuilder:
                         ref = op.operands[k]
                         st = self._follow(op, k, _pad(ports[(ref.op, ref.port)], ref.delta))
                     strats.append(st)
-                    cost += op.weight * st.cost_s
+                    cost += op.weight * self._strategy_cost(op, st)
                     for p, o in enumerate(st.outs):
                         ports[(oi, p)] = o
                 # Reads inside the group: free when layouts agree, else a resharding.
@@ -654,7 +687,7 @@ class ProblemBuilder:
                         if have != need:
                             t = op.node.in_tensors[k]
                             w = min(op.weight, self.ops[ref.op].weight)
-                            cost += w * self.ctx.reshard(t.shape, t.dtype, have, need)[0]
+                            cost += w * self._reshard_cost(t, have, need, op, leader)
                 g.strategies.append(strats)
                 g.costs.append(cost)
 
@@ -686,12 +719,13 @@ class ProblemBuilder:
                 dst_cls = [dst_idx.setdefault(n, len(dst_idx)) for n in need]
                 t = op.node.in_tensors[k]
                 w = min(op.weight, self.ops[ref.op].weight)
+                source = self.ops[prod.ops[0]]
                 mat = []
                 for h in src_idx:
                     row = []
                     for n in dst_idx:
                         row.append(
-                            0.0 if n is None else w * self.ctx.reshard(t.shape, t.dtype, h, n)[0]
+                            0.0 if n is None else w * self._reshard_cost(t, h, n, op, source)
                         )
                     mat.append(tuple(row))
                 refs.append(EdgeRef(op.index, k, ref, len(edges)))
@@ -846,10 +880,6 @@ class ProblemBuilder:
             )
             for g in groups
         )
-        param_shapes = set()
-        for gi in self.graph.inputs_by_role("param"):
-            param_shapes.add(gi.tensor.shape)
-            param_shapes.add(gi.tensor.shape[1:])
         problem = ShardingProblem(
             nodes,
             tuple(edges),
@@ -876,7 +906,7 @@ class ProblemBuilder:
             persistent,
             timeline,
             [],
-            frozenset(param_shapes),
+            self.param_shapes,
             tuple(sorted(self.unsupported)),
             stats,
         )
@@ -954,13 +984,17 @@ def _pick_moments(timeline: Timeline, k: int) -> list[int]:
     return sorted(picked)
 
 
+HIDEABLE = ("dp_grad", "fsdp_gather")
+"""Communication classes that overlap with compute (``cost_models.overlap``)."""
+
+
 def collective_class(
-    bp: BuiltProblem,
+    param_shapes: frozenset[tuple[int, ...]],
     coll: Collective,
     *,
     op: Op,
     source: Op | None,
-    rename: Mapping[str, str],
+    rename: Mapping[str, str] | None = None,
 ) -> str:
     """Which ``compose_step_time`` class a collective belongs to.
 
@@ -970,9 +1004,10 @@ def collective_class(
     runs over (``seq``, ``expert``, ``tensor``), strategy collectives default to
     ``tensor`` and edge reshardings to ``reshard``.
     """
+    rename = rename or {}
     names = {rename.get(a, a) for a in coll.axes}
     if source is None:  # a strategy's own collective
-        if op.phase == "backward" and any(t.shape in bp.param_shapes for t in op.node.out_tensors):
+        if op.phase == "backward" and any(t.shape in param_shapes for t in op.node.out_tensors):
             return "dp_grad"
     elif source.root_role in ("param", "opt_state"):
         return "fsdp_gather"
@@ -982,4 +1017,18 @@ def collective_class(
     return "tensor" if source is None else "reshard"
 
 
-__all__ = ["BuiltProblem", "ProblemBuilder", "Ref", "collective_class", "match_optimizer_state"]
+def objective_weight(cls: str, overlap_efficiency: float) -> float:
+    """How much one second of a class counts in the ILP objective: gradient reductions
+    and parameter gathers overlap with compute, so only ``1 - overlap_efficiency`` of
+    them is expected on the critical path; everything else counts in full."""
+    return 1.0 - overlap_efficiency if cls in HIDEABLE else 1.0
+
+
+__all__ = [
+    "BuiltProblem",
+    "ProblemBuilder",
+    "Ref",
+    "collective_class",
+    "match_optimizer_state",
+    "objective_weight",
+]

@@ -198,7 +198,7 @@ def _memory_rows(problem: ShardingProblem, red: _Reduced) -> tuple[float, list]:
         + [b for m in problem.memory for _, bs in m.terms for b in bs]
         + [problem.memory_limit or 0.0, 1.0]
     )
-    unit = max(1.0, top / _MAX_COEF)
+    unit = top / _MAX_COEF
     rows = []
     for m in problem.memory:
         terms: dict[tuple[int, int], float] = {}

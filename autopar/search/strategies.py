@@ -537,7 +537,9 @@ def _dot_general(node: Node, ctx: CostContext) -> list[OpStrategy]:
         )
         partial = ctx.mesh.order(a for i in range(len(lc)) for a in amap.get(("k", i), ()))
         work = math.prod(ctx.mesh.prod(v) for v in amap.values())
-        tags = [(f"{k}{i}", v) for (k, i), v in sorted(amap.items()) if v]
+        # Tags name the operand dim: b/m/k by the lhs dim, n by the rhs dim.
+        dim_of = {"b": lb, "m": lfree, "n": rfree, "k": lc}
+        tags = [(f"{k}{dim_of[k][i]}", v) for (k, i), v in sorted(amap.items()) if v]
         name = " ".join(f"{r}={'+'.join(v)}" for r, v in tags)
         ins = (tuple(ls), tuple(rs)) + tuple(replicated(t.ndim) for t in node.in_tensors[2:])
         out += _resolve_partial(node, ins, tuple(res), partial, work, ctx, name, tags)

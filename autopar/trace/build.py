@@ -174,9 +174,22 @@ def scan_jaxpr(closed: ClosedJaxpr, stack_prefix: str = "") -> RawGraph:
 
 # Primitives whose jaxpr parameters are scalar combiners, not bodies (cost counted normally).
 _KNOWN_WITH_BODY = frozenset(
-    {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-     "scatter_min", "scatter-max", "scatter_max", "reduce", "reduce_window", "sort",
-     "select_and_scatter", "select_and_gather_add"}  # fmt: skip
+    {
+        "scatter",
+        "scatter-add",
+        "scatter_add",
+        "scatter-mul",
+        "scatter_mul",
+        "scatter-min",
+        "scatter_min",
+        "scatter-max",
+        "scatter_max",
+        "reduce",
+        "reduce_window",
+        "sort",
+        "select_and_scatter",
+        "select_and_gather_add",
+    }
 )
 
 
@@ -310,8 +323,7 @@ def make_node(
             for b, closed in enumerate(_bodies_of(eqn))
         )
         totals = [
-            (g.total_flops, sum(n.bytes_in for n in g), sum(n.bytes_out for n in g))
-            for g in bodies
+            (g.total_flops, sum(n.bytes_in for n in g), sum(n.bytes_out for n in g)) for g in bodies
         ]
         if raw.primitive == "scan":
             length = int(eqn.params["length"])
@@ -341,4 +353,3 @@ def make_node(
         length=length,
         scope=scope,
     )
-

@@ -151,7 +151,9 @@ def hooked_body(body: Graph, hook: Hook, into_bodies: IntoBodies = True) -> Clos
     """
     old = body.jaxpr.jaxpr
     avals = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
+        jax.ShapeDtypeStruct(
+            v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False)
+        )
         for v in old.invars
     ]
     new = jax.make_jaxpr(lambda *xs: _run(body, list(xs), hook, into_bodies))(*avals)
@@ -169,7 +171,9 @@ def _strip(aval: Any) -> tuple:
     return (tuple(getattr(aval, "shape", ())), str(getattr(aval, "dtype", aval)))
 
 
-def _hooked_params(node: Node, params: dict[str, Any], hook: Hook, into: IntoBodies) -> dict[str, Any]:
+def _hooked_params(
+    node: Node, params: dict[str, Any], hook: Hook, into: IntoBodies
+) -> dict[str, Any]:
     new_bodies = [hooked_body(b, hook, into) for b in node.body]
     out = dict(params)
     it = iter(new_bodies)

@@ -16,7 +16,8 @@ Counting rules (one execution of the equation; loops are scaled by the graph bui
 * Reductions (``reduce_*``, ``argmax``/``argmin``, ``cumsum`` and friends): 1 per input
   element. ``reduce_window_*``: ``prod(out) * prod(window)``. Scatter with a combiner
   (``scatter-add``, ``scatter_mul``, ...): 1 per update element. ``sort``:
-  ``prod(shape) * ceil(log2(n))``.
+  ``prod(shape) * ceil(log2(n))``. ``cholesky``: ``n^3 / 3`` per matrix;
+  ``triangular_solve``: ``m^2 n`` per batch.
 * Data movement (reshape, transpose, broadcast, slices, gather, concatenate, pad, casts,
   iota, copies, sharding constraints): 0.
 * Unknown primitives: 0 (listed by :func:`is_counted` so a summary can flag them).
@@ -52,12 +53,29 @@ REDUCTIONS: frozenset[str] = frozenset(
     """.split()
 )
 SCATTER_COMBINE: frozenset[str] = frozenset(
-    {"scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
-     "scatter-max", "scatter_max", "scatter_sub", "scatter-sub"}  # fmt: skip
+    {
+        "scatter-add",
+        "scatter_add",
+        "scatter-mul",
+        "scatter_mul",
+        "scatter-min",
+        "scatter_min",
+        "scatter-max",
+        "scatter_max",
+        "scatter_sub",
+        "scatter-sub",
+    }
 )
 REDUCE_WINDOW: frozenset[str] = frozenset(
-    {"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
-     "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"}  # fmt: skip
+    {
+        "reduce_window_sum",
+        "reduce_window_max",
+        "reduce_window_min",
+        "reduce_window",
+        "select_and_scatter_add",
+        "select_and_gather_add",
+        "select_and_scatter",
+    }
 )
 DATA_MOVEMENT: frozenset[str] = frozenset(
     """
@@ -92,7 +110,18 @@ def is_counted(primitive: str) -> bool:
         or primitive in REDUCE_WINDOW
         or primitive in DATA_MOVEMENT
         or primitive
-        in {"dot_general", "conv_general_dilated", "sort", "top_k", "custom_jvp_call", "fft"}
+        in {
+            "dot_general",
+            "conv_general_dilated",
+            "sort",
+            "top_k",
+            "fft",
+            "cholesky",
+            "triangular_solve",
+            "scan",
+            "while",
+            "cond",
+        }
     )
 
 
@@ -107,7 +136,9 @@ def dot_general_flops(lhs_shape: Sequence[int], out_shape: Sequence[int], lhs_co
     return 2.0 * math.prod(out_shape) * k
 
 
-def conv_flops(rhs_shape: Sequence[int], out_shape: Sequence[int], rhs_spec: Sequence[int]) -> float:
+def conv_flops(
+    rhs_shape: Sequence[int], out_shape: Sequence[int], rhs_spec: Sequence[int]
+) -> float:
     """``2 * prod(out) * in_features_per_group * prod(kernel spatial)``.
 
     ``rhs_spec`` is the kernel's ``(out_feature_dim, in_feature_dim, *spatial_dims)`` from
@@ -161,6 +192,14 @@ def eqn_flops(
         return float(t.size * max(1, math.ceil(math.log2(max(n, 2)))))
     if primitive == "top_k":
         return float(in_tensors[0].size)
+    if primitive == "cholesky":  # n^3 / 3 multiply-adds per matrix
+        t = in_tensors[0]
+        n = t.shape[-1] if t.shape else 1
+        return float(t.size // max(n * n, 1) * (n**3 / 3.0))
+    if primitive == "triangular_solve":  # a: [..., m, m], b: [..., m, n] -> m^2 n per batch
+        a, b = in_tensors[0], in_tensors[1]
+        m = a.shape[-1] if a.shape else 1
+        return float(b.size * m)
     if primitive == "fft":
         t = in_tensors[0]
         lengths = params.get("fft_lengths", ())

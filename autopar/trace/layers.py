@@ -37,6 +37,7 @@ loop bodies) in program order, so structurally identical layers have equal signa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import defaultdict
@@ -64,12 +65,18 @@ def components(name_stack: str) -> list[str]:
         >>> components("jvp()")
         []
     """
+    return list(_components(name_stack))
+
+
+@functools.lru_cache(maxsize=4096)
+def _components(name_stack: str) -> tuple[str, ...]:
+    # thousands of nodes share a few hundred distinct name stacks
     out = []
     for part in name_stack.split("/"):
         c = _TRANSFORM_PREFIX.sub("", part).rstrip(")")
         if c:
             out.append(c)
-    return out
+    return tuple(out)
 
 
 @dataclass
@@ -171,7 +178,7 @@ def _named(nodes: Sequence[Node]) -> list[tuple[str, list[int]]]:
     for n in nodes:
         if not n.name_stack:
             continue
-        comps = components(n.name_stack)
+        comps = _components(n.name_stack)
         for d, c in enumerate(comps):
             m = _INDEXED.match(c)
             if m:
@@ -285,12 +292,16 @@ def _best_run(sig: Sequence[object]) -> tuple[int, int, int] | None:
     return best
 
 
-def _repeat_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput], outputs, producer, consumers):
+def _repeat_layers(
+    nodes: Sequence[Node], inputs: Sequence[GraphInput], outputs, producer, consumers
+):
     """``[(node ids, weight value ids)]`` per layer found by structural repetition."""
     weights = [i for i in inputs if i.role == "param"]
     if not weights:
         weights = [
-            i for i in inputs if i.role == "other" and i.tensor.ndim >= 1 and is_float_dtype(i.tensor.dtype)
+            i
+            for i in inputs
+            if i.role == "other" and i.tensor.ndim >= 1 and is_float_dtype(i.tensor.dtype)
         ]
     uses = []
     for w in weights:
@@ -318,7 +329,10 @@ def _repeat_layers(nodes: Sequence[Node], inputs: Sequence[GraphInput], outputs,
     unit = loose[start : start + p]
     while start - p >= 0 and loose[start - p : start] == unit:
         start, repeats = start - p, repeats + 1
-    while start + (repeats + 1) * p <= len(uses) and loose[start + repeats * p : start + (repeats + 1) * p] == unit:
+    while (
+        start + (repeats + 1) * p <= len(uses)
+        and loose[start + repeats * p : start + (repeats + 1) * p] == unit
+    ):
         repeats += 1
 
     units = [uses[start + k * p : start + (k + 1) * p] for k in range(repeats)]
@@ -384,9 +398,7 @@ def _gradient_ends(nodes, consumers, weight_layer, inputs, outputs) -> dict[int,
     return result
 
 
-def _assign_backward(
-    nodes, producer, consumers, node_layer, weight_layer, inputs, outputs
-) -> None:
+def _assign_backward(nodes, producer, consumers, node_layer, weight_layer, inputs, outputs) -> None:
     """Place backward nodes of repetition layers (``node_layer`` gets them).
 
     1. A node reading a layer's weight belongs to it (``dx = ct @ W^T``); one reading a

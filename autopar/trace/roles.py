@@ -258,9 +258,7 @@ def assign_roles(
 
     # Batch data: non-state inputs sharing the most common leading dimension.
     cands = [
-        i
-        for i in undecided
-        if in_tensors[i].ndim >= 1 and in_paths[i][0] not in _NOT_BATCH_ARGS
+        i for i in undecided if in_tensors[i].ndim >= 1 and in_paths[i][0] not in _NOT_BATCH_ARGS
     ]
     if cands:
         lead = Counter(in_tensors[i].shape[0] for i in cands).most_common(1)[0][0]

@@ -8,6 +8,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
+from autopar.trace.flops import is_counted
 from autopar.trace.graph import Graph
 
 
@@ -37,6 +38,9 @@ def render_summary(graph: Graph, width: int = 110, max_layers: int = 40) -> str:
         f"total {human(graph.total_flops, 'FLOP')}"
     )
     console.print("top primitives: " + ", ".join(f"{p} x{c}" for p, c in prims.most_common(8)))
+    unknown = sorted(p for p in prims if not is_counted(p))
+    if unknown:
+        console.print("counted as 0 FLOPs (unknown to the tracer): " + ", ".join(unknown))
 
     phases = Table(title="Phases", title_justify="left")
     for col in ("phase", "nodes", "FLOPs", "share", "bytes (r+w)"):
@@ -65,9 +69,7 @@ def render_summary(graph: Graph, width: int = 110, max_layers: int = 40) -> str:
                 human(sum(i.tensor.nbytes for i in ins), "B"),
             )  # fmt: skip
     console.print(roles)
-    console.print(
-        f"parameters: {graph.parameter_count:,} ({human(graph.parameter_bytes, 'B')})"
-    )
+    console.print(f"parameters: {graph.parameter_count:,} ({human(graph.parameter_bytes, 'B')})")
 
     if graph.layers:
         kinds = Counter(layer.kind for layer in graph.layers)
@@ -77,7 +79,17 @@ def render_summary(graph: Graph, width: int = 110, max_layers: int = 40) -> str:
             f"{sigs} distinct)",
             title_justify="left",
         )
-        for col in ("#", "name", "kind", "nodes", "forward", "backward", "optimizer", "total", "sig"):
+        for col in (
+            "#",
+            "name",
+            "kind",
+            "nodes",
+            "forward",
+            "backward",
+            "optimizer",
+            "total",
+            "sig",
+        ):
             layers.add_column(col, justify="left" if col in ("name", "kind", "sig") else "right")
         shown = graph.layers[:max_layers]
         for layer in shown:

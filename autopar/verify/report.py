@@ -4,10 +4,11 @@
 partitioning, parses its collectives (:mod:`autopar.verify.hlo`) and compares, per kind,
 what ``plan.predicted.collectives`` said with what XLA emitted:
 
-* bytes per step (``bytes x count``, per device, in the convention of
-  :mod:`autopar.verify.hlo`; ``PredictedCollective.bytes`` is read as the size of *one*
-  execution and ``count`` as executions per step) must agree within
-  :data:`BYTES_TOLERANCE`;
+* bytes per step, per device, in the convention of :mod:`autopar.verify.hlo`, must agree
+  within :data:`BYTES_TOLERANCE`. ``PredictedCollective.bytes`` is read as the *total* of
+  its ``count`` executions in one step (what ``autopar.search.evaluate_plan`` writes:
+  ``sum(weight * nbytes)`` per kind, axes and class); the HLO side is
+  ``sum(HloCollective.bytes * count)``;
 * kinds the plan did not predict are *unplanned*; one moving more than
   :data:`UNPLANNED_SHARE` of the step's collective bytes fails the check;
 * peak memory per device: ``plan.predicted.memory_bytes_per_device`` against
@@ -157,7 +158,7 @@ class VerifyReport:
         """HLO collective bytes per step (of one kind, or all)."""
         return sum(c.total_bytes for c in self.collectives if kind is None or c.kind == kind)
 
-    def to_text(self, width: int = 100) -> str:
+    def to_text(self, width: int = 120) -> str:
         """The report as a fixed-width table (rich), one row per kind plus peak memory."""
         from rich.console import Console
         from rich.table import Table
@@ -303,7 +304,7 @@ def verify(
         hlo_axes = tuple(a for a in mesh if a in axes)
         share = hlo_b / total if total else 0.0
         if theirs:
-            pb = float(sum(p.bytes * p.count for p in theirs))
+            pb = float(sum(p.bytes for p in theirs))  # totals per step
             pn = int(sum(p.count for p in theirs))
             paxes_set = {a for p in theirs for a in p.axes}
             paxes = tuple(a for a in mesh if a in paxes_set)

@@ -113,7 +113,8 @@ WRN_PRESETS: dict[str, WideResNetConfig] = {
 
 
 def _conv(features: int, kernel: int, stride: int, dtype: Any, name: str) -> nn.Conv:
-    # torchvision's padding (kernel // 2), no bias (a BatchNorm follows), He init.
+    # torchvision's padding (kernel // 2), no bias (a BatchNorm follows) and init
+    # (kaiming_normal_, fan_out, untruncated).
     return nn.Conv(
         features,
         (kernel, kernel),
@@ -121,7 +122,7 @@ def _conv(features: int, kernel: int, stride: int, dtype: Any, name: str) -> nn.
         padding=[(kernel // 2, kernel // 2)] * 2,
         use_bias=False,
         dtype=dtype,
-        kernel_init=nn.initializers.he_normal(),
+        kernel_init=nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
         name=name,
     )
 

@@ -103,11 +103,16 @@ def run_steps(fn: Callable, state: Any, batch: Any, steps: int = STEPS) -> tuple
 
 
 @functools.cache
+def zoo_args(model: str) -> tuple[Callable, tuple]:
+    """The step and concrete arguments on device 0 (built once per model)."""
+    step, args = zoo_step(model)
+    return step, jax.device_put(args, jax.devices()[0])
+
+
+@functools.cache
 def reference(model: str) -> tuple[Callable, tuple, Any, list[float]]:
     """Single-device ``jax.jit`` run: (step, args, final state as numpy, losses)."""
-    step, args = zoo_step(model)
-    dev = jax.devices()[0]
-    args = jax.device_put(args, dev)
+    step, args = zoo_args(model)
     state, losses = run_steps(jax.jit(step), *args)
     return step, args, jax.tree.map(np.asarray, state), losses
 
@@ -126,3 +131,13 @@ def compare_params(got: Any, want: Any) -> tuple[float, float]:
     assert worst <= PARAM_FLIP_ATOL + PARAM_ATOL, f"param diff {worst} > sign-flip bound"
     assert frac <= MAX_FLIP_FRACTION, f"{frac:.2%} of params differ by > {PARAM_ATOL}"
     return worst, frac
+
+
+@functools.cache
+def lowered_case(model: str, plan_name: str, shape: tuple[int, ...]) -> tuple[Any, Any, tuple]:
+    """(plan, LoweredStep, concrete args) for one case, shared by the test modules."""
+    from autopar.lower import lower_plan
+
+    step, args = zoo_args(model)
+    plan = make_plan(plan_name, step, mesh_for(shape, plan_name), args)
+    return plan, lower_plan(step, plan, args), args

@@ -40,3 +40,32 @@ def mlp(batch: int, d: int, h: int, dtype=jnp.float32):
     }
     data = {"x": jax.ShapeDtypeStruct((batch, d), dtype), "y": jax.ShapeDtypeStruct((batch, d), dtype)}
     return step, (abstract_state(params, tx), data)
+
+
+def moe(groups: int, tokens: int, d: int, h: int, experts: int, capacity: int, dtype=jnp.float32):
+    """A GShard-style top-1 mixture-of-experts layer: dispatch einsum -> per-expert MLP ->
+    combine einsum. Returns (step, (state, batch))."""
+
+    def loss_fn(p, b):
+        x = b["x"]  # [G, S, M]
+        logits = jnp.einsum("gsm,me->gse", x, p["gate"])
+        probs = jax.nn.softmax(logits, axis=-1)
+        expert = jax.nn.one_hot(jnp.argmax(logits, axis=-1), experts, dtype=dtype)  # [G,S,E]
+        slot = jax.nn.one_hot(jnp.arange(tokens) % capacity, capacity, dtype=dtype)  # [S,C]
+        dispatch = expert[..., None] * slot[None, :, None, :]  # [G,S,E,C]
+        combine = dispatch * probs[..., None]
+        expert_in = jnp.einsum("gsec,gsm->egcm", dispatch, x)
+        hid = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, p["w_in"]))
+        expert_out = jnp.einsum("egch,ehm->egcm", hid, p["w_out"])
+        y = jnp.einsum("gsec,egcm->gsm", combine, expert_out)
+        return jnp.mean((y - b["y"]) ** 2)
+
+    step, tx = adam_step(loss_fn)
+    params = {
+        "gate": jax.ShapeDtypeStruct((d, experts), dtype),
+        "w_in": jax.ShapeDtypeStruct((experts, d, h), dtype),
+        "w_out": jax.ShapeDtypeStruct((experts, h, d), dtype),
+    }
+    shape = (groups, tokens, d)
+    data = {"x": jax.ShapeDtypeStruct(shape, dtype), "y": jax.ShapeDtypeStruct(shape, dtype)}
+    return step, (abstract_state(params, tx), data)

@@ -58,9 +58,7 @@ def test_paths_use_parameter_names_and_kwargs():
     assert [i.path for i in g.inputs] == ["state/params/w", "batch/x", "scale"]
     assert [i.index for i in g.inputs] == [0, 1, 2]
     assert [o.path for o in g.outputs] == ["out"]
-    assert g.in_tree == jax.tree.structure(
-        (({"params": {"w": 0}}, {"x": 0}), {"scale": 0})
-    )
+    assert g.in_tree == jax.tree.structure((({"params": {"w": 0}}, {"x": 0}), {"scale": 0}))
 
 
 def test_bad_inputs_raise_trace_function_error():

@@ -33,9 +33,7 @@ def test_matmul_flops_and_params():
 
 def test_batched_einsum_flops():
     b, q, k, h, d = 2, 8, 8, 4, 16
-    g = trace(
-        lambda a, c: jnp.einsum("bqhd,bkhd->bhqk", a, c), _sds(b, q, h, d), _sds(b, k, h, d)
-    )
+    g = trace(lambda a, c: jnp.einsum("bqhd,bkhd->bhqk", a, c), _sds(b, q, h, d), _sds(b, k, h, d))
     n = _only(g, "dot_general")
     assert n.flops == 2 * (b * h * q * k) * d
     (lc, rc), (lb, rb) = n.params["dimension_numbers"]

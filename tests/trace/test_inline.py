@@ -70,7 +70,9 @@ def test_calls_are_spliced_and_loops_kept():
     assert [e.primitive.name for e in scan.params["jaxpr"].jaxpr.eqns] == ["mul", "add", "add"]
 
 
-@pytest.mark.parametrize("x", [np.array([0.3, -1.0, 2.0, 0.1], np.float32), np.zeros(4, np.float32)])
+@pytest.mark.parametrize(
+    "x", [np.array([0.3, -1.0, 2.0, 0.1], np.float32), np.zeros(4, np.float32)]
+)
 def test_inlined_jaxpr_computes_the_same_function(x):
     closed = jax.make_jaxpr(_mixed)(x)
     inlined = inline_jaxpr(closed)

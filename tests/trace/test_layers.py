@@ -119,7 +119,8 @@ def test_scan_layers_split_the_loops():
     assert _mm(g, [bwd.id], "backward") == 2 * N * BLOCK_FWD_MM
     assert len({(x.flops, x.signature) for x in g.layers}) == 1
     # same model unrolled: the layers have (nearly) the same FLOPs
-    unrolled = trace(*_linen_step(scan=False)[:1], *_linen_step(scan=False)[1])
+    step, args = _linen_step(scan=False)
+    unrolled = trace(step, *args)
     assert layer.flops == pytest.approx(unrolled.layers[0].flops, rel=0.02)
 
 
@@ -178,7 +179,8 @@ def test_repetition_layers_for_plain_jax_mlp():
 
     cfg = MLPConfig.preset("tiny")  # 16 -> 64 -> 64 -> 8, three dense layers
     batch = 4
-    g = trace(*make_train_step(cfg, batch)[:1], *make_train_step(cfg, batch)[1])
+    step, args = make_train_step(cfg, batch)
+    g = trace(step, *args)
     assert [layer.kind for layer in g.layers] == ["repeat"] * 3
     widths = [16, 64, 64, 8]
     for k, layer in enumerate(g.layers):

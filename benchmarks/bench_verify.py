@@ -1,0 +1,174 @@
+"""Predicted vs compiled: collectives and memory of baseline plans on 8 simulated devices.
+
+For each case: trace the zoo step (abstract arguments), build a hand-written baseline plan,
+score it with the cost model (``autopar.search.evaluate_plan`` on a DGX A100 node, when the
+search package provides it; prediction columns stay empty otherwise), lower it, dump the
+HLO right after SPMD partitioning and compare (:func:`autopar.verify.verify`).
+
+Bytes are per device and per step, in the convention of :mod:`autopar.verify.hlo`
+(all-gather: gathered output; reduce-scatter: full input; all-reduce / all-to-all /
+collective-permute: the buffer). CPU wall time is meaningless for speed here; this checks
+the cost model's *accounting*, not its timing.
+
+Usage::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_verify.py
+    python benchmarks/bench_verify.py gpt-megatron-2x4 mlp-dp-8   # chosen cases
+    python benchmarks/bench_verify.py --full                       # each case's full report
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _mlp() -> tuple[Callable, tuple]:
+    from benchmarks.models.mlp import MLPConfig, make_train_step
+
+    return make_train_step(MLPConfig.preset("tiny"), 8)
+
+
+def _gpt(scan: bool = True) -> Callable[[], tuple[Callable, tuple]]:
+    def make():
+        from benchmarks.models.gpt import GPTConfig, make_train_step
+
+        return make_train_step(GPTConfig.preset("tiny", precision="fp32", scan_layers=scan), 8)
+
+    return make
+
+
+def _moe() -> tuple[Callable, tuple]:
+    from benchmarks.models.moe import MoEConfig, make_train_step
+
+    return make_train_step(MoEConfig.preset("tiny", precision="fp32"), 8)
+
+
+def _plan(kind: str, graph: Any, mesh: dict[str, int]) -> Any:
+    from autopar import baselines
+
+    if kind == "dp":
+        return baselines.data_parallel(graph, mesh)
+    if kind == "zero1":
+        return baselines.zero(graph, mesh, 1)
+    if kind == "zero3":
+        return baselines.zero(graph, mesh, 3)
+    if kind == "megatron":
+        return baselines.megatron(graph, mesh)
+    if kind == "data_tensor":
+        return baselines.data_tensor(graph, mesh)
+    if kind == "ep":
+        return baselines.expert_parallel(graph, mesh)
+    raise ValueError(kind)
+
+
+# name -> (model factory, plan kind, mesh)
+CASES: dict[str, tuple[Callable[[], tuple[Callable, tuple]], str, dict[str, int]]] = {
+    "mlp-dp-8": (_mlp, "dp", {"data": 8}),
+    "mlp-zero3-8": (_mlp, "zero3", {"data": 8}),
+    "gpt-dp-8": (_gpt(), "dp", {"data": 8}),
+    "gpt-zero1-8": (_gpt(), "zero1", {"data": 8}),
+    "gpt-zero3-8": (_gpt(), "zero3", {"data": 8}),
+    "gpt-megatron-2x4": (_gpt(), "megatron", {"data": 2, "tensor": 4}),
+    "gpt-data_tensor-4x2": (_gpt(False), "data_tensor", {"data": 4, "tensor": 2}),
+    "moe-ep-2x4": (_moe, "ep", {"data": 2, "expert": 4}),
+}
+
+
+def _evaluator() -> Callable[[Any, Any], Any] | None:
+    try:
+        from autopar.search import evaluate_plan
+        from cost_models import Cluster
+    except ImportError:
+        return None
+    cluster = Cluster.preset("dgx-a100-80gb")
+    return lambda graph, plan: evaluate_plan(graph, plan, cluster)
+
+
+def run_case(name: str, evaluate: Callable | None) -> tuple[Any, dict[str, float]]:
+    import dataclasses
+
+    from autopar.lower import lower_plan
+    from autopar.trace import trace
+    from autopar.verify import verify
+
+    make, kind, mesh = CASES[name]
+    step, args = make()
+    t = {}
+    t0 = time.perf_counter()
+    graph = trace(step, *args)
+    plan = _plan(kind, graph, mesh)
+    t["trace+plan_s"] = time.perf_counter() - t0
+    if evaluate is not None:
+        t0 = time.perf_counter()
+        predicted = evaluate(graph, plan).to_predicted()
+        plan = dataclasses.replace(plan, predicted=predicted)
+        t["evaluate_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lowered = lower_plan(step, plan, args, graph=graph)
+    report = verify(plan, lowered)
+    t["lower+verify_s"] = time.perf_counter() - t0
+    return report, t
+
+
+def main(argv: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    full = "--full" in argv
+    names = [a for a in argv if not a.startswith("--")] or list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"unknown cases {unknown}; known: {list(CASES)}", file=sys.stderr)
+        return 2
+    evaluate = _evaluator()
+    table = Table(title="predicted vs HLO (per device, per step)")
+    for col in ("case", "kind", "count p/H", "bytes pred", "bytes HLO", "err", "status"):
+        table.add_column(col, justify="left" if col in ("case", "kind", "status") else "right")
+    from autopar.verify.report import _fmt_bytes
+
+    for name in names:
+        report, timing = run_case(name, evaluate)
+        if full:
+            print(report.to_text())
+            print(", ".join(f"{k} {v:.1f}" for k, v in timing.items()))
+        for r in report.rows:
+            err = r.bytes_error
+            table.add_row(
+                name,
+                r.kind,
+                f"{'-' if r.predicted_count is None else r.predicted_count}/{r.hlo_count}",
+                "-" if r.predicted_bytes is None else _fmt_bytes(r.predicted_bytes),
+                _fmt_bytes(r.hlo_bytes),
+                "-" if err is None else f"{err:+.0%}",
+                r.status,
+            )
+        m = report.memory
+        if m is not None:
+            table.add_row(
+                name,
+                "peak memory",
+                "",
+                _fmt_bytes(m.predicted_bytes) if m.checked else "-",
+                _fmt_bytes(m.compiled_bytes),
+                "-" if m.error is None else f"{m.error:+.0%}",
+                ("ok" if m.ok else "memory") if m.checked else "-",
+            )
+        table.add_section()
+    Console(width=120).print(table)
+    if evaluate is None:
+        print("(autopar.search.evaluate_plan not available: prediction columns empty)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

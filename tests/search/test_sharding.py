@@ -1,0 +1,88 @@
+"""Shardings, reshape propagation and resharding plans (pure functions, expected by hand)."""
+
+from autopar.search.sharding import (
+    MeshShape,
+    enumerate_shardings,
+    from_plan_spec,
+    reshape_sharding,
+    reshard_plan,
+    shards,
+    to_plan_spec,
+)
+
+M24 = MeshShape(("data", "tensor"), (2, 4))
+
+
+def test_enumerate_respects_divisibility_and_axis_order():
+    # dim 0 (size 6) takes only "data" (6 % 4 != 0); dim 1 (size 8) takes either or both.
+    specs = set(enumerate_shardings((6, 8), M24))
+    assert specs == {
+        ((), ()),
+        (("data",), ()),
+        ((), ("data",)),
+        ((), ("tensor",)),
+        ((), ("data", "tensor")),
+        (("data",), ("tensor",)),
+    }
+
+
+def test_enumerate_never_splits_12_heads_eight_ways():
+    mesh = MeshShape(("tensor",), (8,))
+    assert enumerate_shardings((12, 64), mesh) == [((), ()), ((), ("tensor",))]
+
+
+def test_size_one_axes_are_ignored():
+    mesh = MeshShape(("data", "tensor"), (1, 4))
+    assert set(enumerate_shardings((4,), mesh)) == {((),), (("tensor",),)}
+
+
+def test_plan_spec_round_trip():
+    spec = ((), ("data", "tensor"), ("seq",))
+    assert to_plan_spec(spec) == (None, ("data", "tensor"), "seq")
+    assert from_plan_spec(to_plan_spec(spec), 3) == spec
+    assert from_plan_spec(("data",), 3) == (("data",), (), ())
+    assert shards(spec, MeshShape(("data", "tensor", "seq"), (2, 2, 2))) == 8
+
+
+def test_reshape_merge_keeps_major_dim_sharding():
+    # [b, s, heads, head_dim] -> [b, s, heads * head_dim]: heads sharded survives.
+    m = MeshShape(("tensor",), (4,))
+    kept, out = reshape_sharding((2, 8, 12, 64), (2, 8, 768), ((), (), ("tensor",), ()), m)
+    assert kept == ((), (), ("tensor",), ())
+    assert out == ((), (), ("tensor",))
+
+
+def test_reshape_merge_drops_minor_dim_sharding():
+    # Sharding the minor dim of a merge interleaves blocks: it cannot survive.
+    m = MeshShape(("tensor",), (4,))
+    kept, out = reshape_sharding((2, 8, 12, 64), (2, 8, 768), ((), (), (), ("tensor",)), m)
+    assert kept == ((), (), (), ())
+    assert out == ((), (), ())
+
+
+def test_reshape_split_needs_divisible_major_dim():
+    m8 = MeshShape(("tensor",), (8,))
+    # 768 -> (12, 64): 12 heads do not split 8 ways, so the sharding is dropped.
+    assert reshape_sharding((4, 768), (4, 12, 64), ((), ("tensor",)), m8)[1] == ((), (), ())
+    m4 = MeshShape(("tensor",), (4,))
+    assert reshape_sharding((4, 768), (4, 12, 64), ((), ("tensor",)), m4)[1] == (
+        (),
+        ("tensor",),
+        (),
+    )
+
+
+def test_reshape_two_axes_spill_into_the_next_dim():
+    # (2*32) split into (2, 32) with ("data", "tensor") = 2 x 4: data takes the 2, tensor 32.
+    kept, out = reshape_sharding((64,), (2, 32), (("data", "tensor"),), M24)
+    assert out == (("data",), ("tensor",))
+    assert kept == (("data", "tensor"),)
+
+
+def test_reshard_plan_classifies_axes():
+    # data moves dim 0 -> dim 1 (all-to-all), tensor leaves (all-gather).
+    a2a, gather = reshard_plan((8, 8), (("data",), ("tensor",)), ((), ("data",)), M24)
+    assert a2a == ("data",)
+    assert gather == ("tensor",)
+    # Replicated -> sharded is a local slice: no collective.
+    assert reshard_plan((8, 8), ((), ()), (("data",), ("tensor",)), M24) == ((), ())

@@ -1,0 +1,134 @@
+"""Golden tests of the ILP solver: small problems whose optimum is worked out by hand
+(or by brute force over every choice)."""
+
+import itertools
+import random
+
+import pytest
+
+from autopar.search import (
+    MemoryConstraint,
+    ProblemEdge,
+    ProblemNode,
+    ShardingProblem,
+    solve,
+)
+
+BACKENDS = ["highs", "cpsat"]
+
+
+def _chain(memory=(), limit=None):
+    # A: (1, 3), B: (4, 1); moving between different layouts costs 10.
+    return ShardingProblem(
+        nodes=(ProblemNode("a", (1.0, 3.0)), ProblemNode("b", (4.0, 1.0))),
+        edges=(ProblemEdge(0, 1, (0, 1), (0, 1), ((0.0, 10.0), (10.0, 0.0)), "a->b"),),
+        memory=memory,
+        memory_limit=limit,
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chain_optimum(backend):
+    # (0,0)=5, (0,1)=12, (1,0)=17, (1,1)=4.
+    sol = solve(_chain(), backend=backend)
+    assert sol.status == "optimal"
+    assert sol.choice == (1, 1)
+    assert sol.objective == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_memory_bound_flips_the_answer(backend):
+    # Strategy 1 of each node holds 100 bytes, strategy 0 holds 10; at most 150 fit, so
+    # (1,1) (200 B) is out and the best feasible choice is (0,0) = 5 s.
+    mem = (MemoryConstraint("peak", 0.0, ((0, (10.0, 100.0)), (1, (10.0, 100.0)))),)
+    assert solve(_chain(mem, None), backend=backend).choice == (1, 1)
+    sol = solve(_chain(mem, 150.0), backend=backend)
+    assert sol.choice == (0, 0)
+    assert sol.objective == pytest.approx(5.0)
+    assert sol.memory_bytes == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infeasible_and_smallest_footprint(backend):
+    mem = (MemoryConstraint("peak", 5.0, ((0, (10.0, 100.0)), (1, (10.0, 100.0)))),)
+    problem = _chain(mem, 10.0)
+    assert solve(problem, backend=backend).status == "infeasible"
+    low = solve(problem, backend=backend, minimize="memory")
+    assert low.choice == (0, 0)
+    assert low.memory_bytes == pytest.approx(25.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alias_forces_equal_choice(backend):
+    # Alone: a picks 0 (1 s), b picks 1 (1 s). Aliased: (0,0)=4 beats (1,1)=6.
+    nodes = (ProblemNode("param", (1.0, 5.0)), ProblemNode("state", (3.0, 1.0)))
+    assert solve(ShardingProblem(nodes), backend=backend).choice == (0, 1)
+    sol = solve(ShardingProblem(nodes, aliases=((0, 1),)), backend=backend)
+    assert sol.choice == (0, 0)
+    assert sol.objective == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_edge_classes_group_strategies(backend):
+    # a's strategies 0 and 1 give the same layout (class 0); 2 gives class 1.
+    # a0b0=2, a1b0=1, a2b0=3+7=10, a0b1=2+5=7, a1b1=6, a2b1=3 -> (1, 0) at 1 s.
+    p = ShardingProblem(
+        nodes=(ProblemNode("a", (2.0, 1.0, 3.0)), ProblemNode("b", (0.0, 0.0))),
+        edges=(ProblemEdge(0, 1, (0, 0, 1), (0, 1), ((0.0, 5.0), (7.0, 0.0))),),
+    )
+    sol = solve(p, backend=backend)
+    assert sol.choice == (1, 0)
+    assert sol.objective == pytest.approx(1.0)
+
+
+def _random_problem(rng: random.Random) -> ShardingProblem:
+    n = rng.randint(3, 5)
+    nodes = tuple(
+        ProblemNode(f"n{i}", tuple(rng.uniform(0, 5) for _ in range(rng.randint(1, 3))))
+        for i in range(n)
+    )
+    edges = []
+    for _ in range(rng.randint(2, 6)):
+        u, v = rng.sample(range(n), 2)
+        su, sv = nodes[u].num_strategies, nodes[v].num_strategies
+        src = tuple(rng.randrange(2) if su > 1 else 0 for _ in range(su))
+        dst = tuple(rng.randrange(2) if sv > 1 else 0 for _ in range(sv))
+        rows, cols = max(src) + 1, max(dst) + 1
+        costs = tuple(tuple(rng.choice([0.0, rng.uniform(0, 8)]) for _ in range(cols)) for _ in range(rows))
+        edges.append(ProblemEdge(u, v, src, dst, costs))
+    memory = (
+        MemoryConstraint(
+            "m", 1.0, tuple((i, tuple(rng.uniform(0, 10) for _ in range(nd.num_strategies))) for i, nd in enumerate(nodes))
+        ),
+    )
+    return ShardingProblem(nodes, tuple(edges), memory, memory_limit=rng.uniform(15, 40))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_brute_force_on_random_problems(backend):
+    rng = random.Random(0)
+    for _ in range(12):
+        p = _random_problem(rng)
+        choices = itertools.product(*(range(nd.num_strategies) for nd in p.nodes))
+        feasible = [(p.objective(c), c) for c in choices if p.is_feasible(c)]
+        sol = solve(p, backend=backend)
+        if not feasible:
+            assert sol.status == "infeasible"
+            continue
+        best = min(f for f, _ in feasible)
+        assert sol.status == "optimal"
+        assert sol.objective == pytest.approx(best, rel=1e-5, abs=1e-6)
+        assert p.is_feasible(sol.choice)
+
+
+def test_json_round_trip_replays_the_same_solve():
+    mem = (MemoryConstraint("peak", 0.0, ((0, (10.0, 100.0)), (1, (10.0, 100.0)))),)
+    p = _chain(mem, 150.0)
+    q = ShardingProblem.from_json(p.to_json())
+    assert q == p
+    assert solve(q).choice == solve(p).choice == (0, 0)
+
+
+def test_mismatched_alias_is_rejected():
+    with pytest.raises(ValueError, match="alias group"):
+        ShardingProblem((ProblemNode("a", (1.0,)), ProblemNode("b", (1.0, 2.0))), aliases=((0, 1),))
