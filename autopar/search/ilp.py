@@ -793,7 +793,7 @@ class ProblemBuilder:
                     continue
                 for a, b in zip(rep.nodes, other.nodes, strict=True):
                     oa, ob = node_op.get(a), node_op.get(b)
-                    if oa is None or ob is None:
+                    if oa is None or ob is None or oa not in where or ob not in where:
                         continue
                     ga, pa = where[oa]
                     gb, pb = where[ob]
@@ -808,7 +808,7 @@ class ProblemBuilder:
                         if ra is None or rb is None:
                             continue
                         ia, ib = self.ops[ra.op], self.ops[rb.op]
-                        if ia.kind == "input" and ib.kind == "input":
+                        if ia.kind == "input" and ib.kind == "input" and ia.index in where and ib.index in where:
                             gia, gib = where[ia.index][0], where[ib.index][0]
                             if gia != gib and _same_layouts(groups[gia], groups[gib]):
                                 ties.append((gia, gib))

@@ -135,7 +135,7 @@ def find_layers(
         for nid in p.nodes:
             node_proto[nid] = k
 
-    for fwd, bwd, length, stacked in _scan_groups(nodes, params, producer):
+    for fwd, bwd, length, stacked in _scan_groups(nodes, params):
         k = len(protos)
         ids = {fwd} | ({bwd} if bwd is not None else set())
         protos.append(_Proto(_scan_name(nodes[fwd], len(protos)), "scan", fwd, ids, length))
@@ -147,7 +147,7 @@ def find_layers(
     if not protos:
         for ids, weights in _repeat_layers(nodes, inputs, outputs, producer, consumers):
             k = len(protos)
-            protos.append(_Proto(f"block_{k}", "repeat", min(ids), set(ids)))
+            protos.append(_Proto(f"block_{k}", "repeat", min(ids, default=0), set(ids)))
             for nid in ids:
                 node_proto[nid] = k
             for v in weights:
@@ -218,7 +218,7 @@ def _param_views(nodes: Sequence[Node], params: Sequence[GraphInput]) -> dict[in
     return view
 
 
-def _scan_groups(nodes: Sequence[Node], params: Sequence[GraphInput], producer):
+def _scan_groups(nodes: Sequence[Node], params: Sequence[GraphInput]):
     """``[(forward scan id, backward scan id | None, length, stacked param value ids)]``."""
     view = _param_views(nodes, params)
     fwd: list[tuple[int, set[int]]] = []

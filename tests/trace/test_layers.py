@@ -97,6 +97,7 @@ def test_named_layers_from_flax_linen():
         opt = [g.nodes[i] for i in layer.nodes if g.nodes[i].phase == "optimizer"]
         assert opt and all(n.name_stack == "" for n in opt)
         assert all(g.nodes[i].layer == layer.index for i in layer.nodes)
+        assert g.layer_of(min(layer.nodes)) is layer
     # program order: layer k's first node comes before layer k+1's
     firsts = [min(layer.nodes) for layer in g.layers]
     assert firsts == sorted(firsts)
