@@ -88,7 +88,8 @@ def _evaluator() -> Callable[[Any, Any], Any] | None:
     try:
         from autopar.search import evaluate_plan
         from cost_models import Cluster
-    except ImportError:
+    except ImportError as e:
+        print(f"(no cost-model predictions: {e})", file=sys.stderr)
         return None
     cluster = Cluster.preset("dgx-a100-80gb")
     return lambda graph, plan: evaluate_plan(graph, plan, cluster)

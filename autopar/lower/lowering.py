@@ -437,7 +437,7 @@ def lower_plan(
             "LoweringOptions(extra={'remat': 'in_model'}), or re-plan with remat='none'."
         )
     if mesh is None:
-        mesh = make_mesh(plan.mesh, options.extra.get("devices"))  # type: ignore[arg-type]
+        mesh = make_mesh(plan.mesh)
     elif dict(mesh.shape) != dict(plan.mesh) or tuple(mesh.axis_names) != tuple(plan.mesh):
         raise LowerPlanError(
             f"mesh {dict(mesh.shape)} does not match the plan's {dict(plan.mesh)}."

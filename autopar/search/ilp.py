@@ -362,6 +362,10 @@ class ProblemBuilder:
             for shape in (gi.tensor.shape, gi.tensor.shape[1:])
         )
         self.eta = float(ctx.cluster.overlap_efficiency)
+        self._grad_cache: dict[int, bool] = {}
+        self._spec_cache: dict[int, list[Sharding]] = {}
+        self._class_cache: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
+        self._matrix_cache: dict[tuple, tuple] = {}
         self._no_shard: dict[int, set[int]] = {}  # graph input -> dims kept whole
 
     # -- 1. flatten -----------------------------------------------------------------------
@@ -577,6 +581,12 @@ class ProblemBuilder:
         return k
 
     def _input_specs(self, gi: GraphInput) -> list[Sharding]:
+        hit = self._spec_cache.get(gi.index)
+        if hit is None:
+            hit = self._spec_cache[gi.index] = self._compute_input_specs(gi)
+        return hit
+
+    def _compute_input_specs(self, gi: GraphInput) -> list[Sharding]:
         fixed = self.fixed_inputs.get(gi.index)
         if fixed is not None:
             return [fixed]
@@ -638,58 +648,106 @@ class ProblemBuilder:
             hit = self._follow_cache[key] = follow_strategy(op.node, k, spec, self.ctx)
         return hit
 
-    def _strategy_cost(self, op: Op, st: OpStrategy) -> float:
-        """Compute plus the strategy's collectives, weighted as the objective counts them."""
-        cost = st.compute_s
-        for c in st.comm:
-            cls = collective_class(self.param_shapes, c, op=op, source=None)
-            cost += objective_weight(cls, self.eta) * c.time_s
-        return cost
+    def _grad_op(self, op: Op) -> bool:
+        """A backward op whose result has a parameter's shape: its partial sums are
+        gradient reductions (class ``dp_grad``, see :func:`collective_class`)."""
+        hit = self._grad_cache.get(op.index)
+        if hit is None:
+            hit = op.phase == "backward" and any(
+                t.shape in self.param_shapes for t in op.node.out_tensors
+            )
+            self._grad_cache[op.index] = hit
+        return hit
 
-    def _reshard_cost(
-        self, t: TensorInfo, have: Sharding, need: Sharding, op: Op, source: Op
-    ) -> float:
-        total = 0.0
-        for c in self.ctx.reshard(t.shape, t.dtype, have, need)[1]:
-            cls = collective_class(self.param_shapes, c, op=op, source=source)
-            total += objective_weight(cls, self.eta) * c.time_s
-        return total
+    def _strategy_cost(self, op: Op, st: OpStrategy) -> float:
+        """Compute plus the strategy's collectives, weighted as the objective counts them
+        (:func:`objective_weight` of :func:`collective_class`)."""
+        factor = 1.0 - self.eta if self._grad_op(op) else 1.0
+        return st.compute_s + factor * st.comm_s
+
+    def _reshard_cost(self, t: TensorInfo, have: Sharding, need: Sharding, source: Op) -> float:
+        """Resharding time, weighted: moving a parameter or optimizer state out of its
+        stored layout is an overlappable FSDP gather, anything else is exposed."""
+        factor = 1.0 - self.eta if source.root_role in ("param", "opt_state") else 1.0
+        return factor * self.ctx.reshard(t.shape, t.dtype, have, need)[0]
+
+    def _op_signature(self, op: Op) -> tuple:
+        if op.kind == "node":
+            return (self._key(op), tuple(sorted(self._restrict.get(op.index, {}).items())))
+        if op.kind in ("input", "output"):
+            return (op.kind, op.input.tensor, op.input.role, tuple(self._input_specs(op.input)))
+        if op.kind == "constraint":
+            return (op.kind, op.node.in_tensors, op.node.params["spec"])
+        return (op.kind, op.node.in_tensors, op.node.out_tensors, op.node.params["lead"])
+
+    def _group_signature(self, g: Group, where: dict[int, tuple[int, int]]) -> tuple:
+        """Everything pricing a group depends on: equal signatures (the same block in
+        another layer) price identically, so they are priced once."""
+        sig: list = [self.ops[g.ops[0]].root_role]
+        for oi in g.ops:
+            op = self.ops[oi]
+            internal = tuple(
+                (k, where[ref.op][1], ref.port, ref.delta, self.ops[ref.op].weight)
+                for k, ref in enumerate(op.operands)
+                if ref is not None and where[ref.op][0] == g.index
+            )
+            sig.append(
+                (self._op_signature(op), op.weight, self._grad_op(op), g.follow.get(oi), internal)
+            )
+        return tuple(sig)
 
     def _price_groups(self, groups: list[Group], where: dict[int, tuple[int, int]]) -> None:
+        cache: dict[tuple, tuple[list, list]] = {}
         for g in groups:
-            leader = self.ops[g.ops[0]]
-            for lead in self._leader_strategies(leader):
-                ports: dict[tuple[int, int], Sharding] = {}
-                strats: list[OpStrategy] = []
-                cost = 0.0
-                for pos, oi in enumerate(g.ops):
-                    op = self.ops[oi]
-                    if pos == 0:
-                        st = lead
-                    else:
-                        k = g.follow[oi]
-                        ref = op.operands[k]
-                        st = self._follow(op, k, _pad(ports[(ref.op, ref.port)], ref.delta))
-                    strats.append(st)
-                    cost += op.weight * self._strategy_cost(op, st)
-                    for p, o in enumerate(st.outs):
-                        ports[(oi, p)] = o
-                # Reads inside the group: free when layouts agree, else a resharding.
-                for pos, oi in enumerate(g.ops):
-                    op = self.ops[oi]
-                    for k, ref in enumerate(op.operands):
-                        if ref is None or where[ref.op][0] != g.index:
-                            continue
-                        need = strats[pos].ins[k] if k < len(strats[pos].ins) else None
-                        if need is None:
-                            continue
-                        have = _pad(ports[(ref.op, ref.port)], ref.delta)
-                        if have != need:
-                            t = op.node.in_tensors[k]
-                            w = min(op.weight, self.ops[ref.op].weight)
-                            cost += w * self._reshard_cost(t, have, need, op, leader)
-                g.strategies.append(strats)
-                g.costs.append(cost)
+            sig = self._group_signature(g, where)
+            hit = cache.get(sig)
+            if hit is not None:
+                g.strategies, g.costs = hit[0], hit[1]
+                continue
+            self._price_group(g, where)
+            cache[sig] = (g.strategies, g.costs)
+
+    def _price_group(self, g: Group, where: dict[int, tuple[int, int]]) -> None:
+        leader = self.ops[g.ops[0]]
+        ops = [self.ops[oi] for oi in g.ops]
+        pos_of = {oi: pos for pos, oi in enumerate(g.ops)}
+        # Per op: (operand k, producer position, port, delta, weight) of reads in the group.
+        internal = [
+            [
+                (k, pos_of[ref.op], ref.port, ref.delta, min(op.weight, self.ops[ref.op].weight))
+                for k, ref in enumerate(op.operands)
+                if ref is not None and where[ref.op][0] == g.index
+            ]
+            for op in ops
+        ]
+        mains = [None] + [
+            (g.follow[oi], pos_of[ops[p].operands[g.follow[oi]].op], ops[p].operands[g.follow[oi]])
+            for p, oi in enumerate(g.ops)
+            if p > 0
+        ]
+        for lead in self._leader_strategies(leader):
+            strats: list[OpStrategy] = [lead]
+            cost = leader.weight * self._strategy_cost(leader, lead)
+            for pos in range(1, len(ops)):
+                op = ops[pos]
+                k, ppos, ref = mains[pos]
+                spec = _pad(strats[ppos].outs[ref.port], ref.delta)
+                st = self._follow(op, k, spec)
+                strats.append(st)
+                cost += op.weight * self._strategy_cost(op, st)
+            # Reads inside the group: free when layouts agree, else a resharding.
+            for pos, reads in enumerate(internal):
+                st = strats[pos]
+                for k, ppos, port, delta, w in reads:
+                    need = st.ins[k] if k < len(st.ins) else None
+                    if need is None:
+                        continue
+                    have = _pad(strats[ppos].outs[port], delta)
+                    if have != need:
+                        t = ops[pos].node.in_tensors[k]
+                        cost += w * self._reshard_cost(t, have, need, leader)
+            g.strategies.append(strats)
+            g.costs.append(cost)
 
     # -- edges --------------------------------------------------------------------------
     def _edges(
@@ -709,37 +767,58 @@ class ProblemBuilder:
                 if gp == gc:
                     continue
                 prod = groups[gp]
-                need = [s[pc].ins[k] if k < len(s[pc].ins) else None for s in cons.strategies]
-                if all(n is None for n in need):
+                dst_cls, dst_keys = self._classes(
+                    ("in", id(cons.strategies), pc, k),
+                    [s[pc].ins[k] if k < len(s[pc].ins) else None for s in cons.strategies]
+                    if ("in", id(cons.strategies), pc, k) not in self._class_cache
+                    else None,
+                )
+                if all(n is None for n in dst_keys):
                     continue
-                have = [_pad(s[pp].outs[ref.port], ref.delta) for s in prod.strategies]
-                src_idx: dict[Sharding, int] = {}
-                dst_idx: dict[Sharding | None, int] = {}
-                src_cls = [src_idx.setdefault(h, len(src_idx)) for h in have]
-                dst_cls = [dst_idx.setdefault(n, len(dst_idx)) for n in need]
+                src_cls, src_keys = self._classes(
+                    ("out", id(prod.strategies), pp, ref.port, ref.delta),
+                    [_pad(s[pp].outs[ref.port], ref.delta) for s in prod.strategies]
+                    if ("out", id(prod.strategies), pp, ref.port, ref.delta)
+                    not in self._class_cache
+                    else None,
+                )
                 t = op.node.in_tensors[k]
                 w = min(op.weight, self.ops[ref.op].weight)
                 source = self.ops[prod.ops[0]]
-                mat = []
-                for h in src_idx:
-                    row = []
-                    for n in dst_idx:
-                        row.append(
-                            0.0 if n is None else w * self._reshard_cost(t, h, n, op, source)
+                fsdp = source.root_role in ("param", "opt_state")
+                mkey = (t.shape, t.dtype, src_keys, dst_keys, w, fsdp)
+                mat = self._matrix_cache.get(mkey)
+                if mat is None:
+                    mat = tuple(
+                        tuple(
+                            0.0 if n is None else w * self._reshard_cost(t, h, n, source)
+                            for n in dst_keys
                         )
-                    mat.append(tuple(row))
+                        for h in src_keys
+                    )
+                    self._matrix_cache[mkey] = mat
                 refs.append(EdgeRef(op.index, k, ref, len(edges)))
                 edges.append(
                     ProblemEdge(
                         gp,
                         gc,
-                        tuple(src_cls),
-                        tuple(dst_cls),
-                        tuple(mat),
+                        src_cls,
+                        dst_cls,
+                        mat,
                         f"{self.ops[ref.op].name} -> {op.name}",
                     )
                 )
         return edges, refs
+
+    def _classes(self, key: tuple, layouts: list | None) -> tuple[tuple[int, ...], tuple]:
+        """Distinct layouts of one port over a group's strategies: (class per strategy,
+        the layouts). Groups priced once share strategy lists, hence the cache by id."""
+        hit = self._class_cache.get(key)
+        if hit is None:
+            index: dict = {}
+            cls = tuple(index.setdefault(h, len(index)) for h in layouts)
+            hit = self._class_cache[key] = (cls, tuple(index))
+        return hit
 
     # -- aliases ------------------------------------------------------------------------
     def _families(self) -> dict[int, int]:
@@ -808,7 +887,12 @@ class ProblemBuilder:
                         if ra is None or rb is None:
                             continue
                         ia, ib = self.ops[ra.op], self.ops[rb.op]
-                        if ia.kind == "input" and ib.kind == "input" and ia.index in where and ib.index in where:
+                        if (
+                            ia.kind == "input"
+                            and ib.kind == "input"
+                            and ia.index in where
+                            and ib.index in where
+                        ):
                             gia, gib = where[ia.index][0], where[ib.index][0]
                             if gia != gib and _same_layouts(groups[gia], groups[gib]):
                                 ties.append((gia, gib))

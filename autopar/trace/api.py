@@ -111,6 +111,7 @@ def graph_from_jaxpr(
         in_tensors=in_tensors,
         in_values=raw.invars,
         out_values=raw.outvars,
+        out_tensors=raw.out_tensors,
         pairs=pairs,
         eqns=raw.eqns,
         phases=phases,

@@ -25,7 +25,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
 from autopar.errors import TraceFunctionError
-from autopar.trace._compat import COMPOSITE_BODY_PARAMS, eqn_context
+from autopar._compat import COMPOSITE_BODY_PARAMS, eqn_context
 from autopar.trace.graph import Graph, Node
 
 Hook = Callable[[Node, list[Any]], Sequence[Any]]

@@ -19,7 +19,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var, new_jaxpr_eqn
 
-from autopar.trace._compat import (
+from autopar._compat import (
     COMPOSITE_BODY_PARAMS,
     INLINED_PRIMITIVES,
     call_body,

@@ -13,7 +13,9 @@ the deepest, pairing each with an unused output subtree of identical signature (
 the output whose keys end like the input's). A single leaf pairs only when its last key
 matches too (``.../kernel`` with ``.../kernel``), so ``f(x) -> tanh(x)`` is not "state".
 
-**Roles** (:func:`assign_roles`), after phases are known. A pair whose output is produced
+**Roles** (:func:`assign_roles`), after phases are known. Inputs still unpaired (lone
+arrays, ``f(w, x) -> (w - lr * g, loss)``) pair, in order, with unpaired outputs of the same
+shape and dtype that are computed from gradients without being gradients. A pair whose output is produced
 by a backward equation is a *gradient*: its input is a differentiated parameter
 (``f(params, x) -> grads``), not state. For state pairs:
 
@@ -197,6 +199,7 @@ def assign_roles(
     in_tensors: Sequence[TensorInfo],
     in_values: Sequence[int],
     out_values: Sequence[int],
+    out_tensors: Sequence[TensorInfo],
     pairs: dict[int, int],
     eqns: Sequence[RawEqn],
     phases: Sequence[Phase],
@@ -206,7 +209,7 @@ def assign_roles(
 
     Args:
         in_paths / in_tensors / in_values: the flat inputs (paths, shapes, value ids).
-        out_values: value id of each flat output (``-1`` for literals).
+        out_values / out_tensors: value id (``-1`` for literals) and shape of each output.
         pairs: :func:`match_updates`' result.
         eqns / phases: the top-level equations and their phases.
         tainted: value ids computed from a backward result.
@@ -218,6 +221,27 @@ def assign_roles(
             producer[v] = e.index
         if ph == "forward":
             read_fwd.update(v for v in e.inputs if v >= 0)
+
+    pairs = dict(pairs)
+    # Lone arrays (``f(w, x) -> (w - lr * g, loss)``) have no key names to match on: pair a
+    # float input the forward reads with the first unpaired output of the same shape and
+    # dtype that is computed from gradients (but is not a gradient itself), in order.
+    used = set(pairs.values())
+    updated = [
+        o
+        for o, vid in enumerate(out_values)
+        if o not in used
+        and vid in tainted
+        and vid in producer
+        and phases[producer[vid]] != "backward"
+    ]
+    for i, (t, vid) in enumerate(zip(in_tensors, in_values, strict=True)):
+        if i in pairs or vid not in read_fwd or not is_float_dtype(t.dtype):
+            continue
+        o = next((o for o in updated if out_tensors[o] == t), None)
+        if o is not None:
+            pairs[i] = o
+            updated.remove(o)
 
     state: dict[int, int] = {}
     differentiated: set[int] = set()

@@ -84,11 +84,12 @@ class VerifyRow:
 
     @property
     def bytes_error(self) -> float | None:
-        """Relative error of the predicted bytes against the HLO's."""
+        """Relative error of the predicted bytes against the HLO's (``None``: nothing to
+        compare, i.e. unpredicted or absent from the HLO)."""
         if self.predicted_bytes is None:
             return None
-        if self.hlo_bytes == 0:
-            return 0.0 if self.predicted_bytes == 0 else float("inf")
+        if self.hlo_bytes == 0:  # nothing emitted: "missing" says it, no ratio to show
+            return 0.0 if self.predicted_bytes == 0 else None
         return (self.predicted_bytes - self.hlo_bytes) / self.hlo_bytes
 
 

@@ -95,6 +95,18 @@ def test_plain_sgd_step_phases_and_roles():
     assert mm == {"forward": fwd, "backward": bwd}
 
 
+def test_lone_array_parameters_are_paired_by_data_flow():
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    g = trace(step, _sds(4, 8), X)
+    assert [(i.path, i.role, i.output_index) for i in g.inputs] == [
+        ("w", "param", 0),
+        ("x", "batch", None),
+    ]
+
+
 def test_gradient_outputs_mark_parameters():
     g = trace(jax.grad(_loss), PARAMS, X)
     assert {i.path: (i.role, i.output_index) for i in g.inputs} == {
