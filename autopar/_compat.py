@@ -1,8 +1,7 @@
-"""The tracer's only contact with JAX internals (``jax._src``) and version-specific behaviour.
+"""autopar's only contact with JAX internals (``jax._src``) and version-specific behaviour.
 
-Everything else in :mod:`autopar.trace` goes through ``jax.extend.core`` or this module, so a
-JAX upgrade touches one file. (The project-wide rule is one compat module; this one holds the
-tracer's share and can be merged into ``autopar/_compat.py``.)
+Everything else goes through public JAX (``jax.extend.core`` included) or this module, so a
+JAX upgrade touches one file.
 
 Measured on JAX 0.10.2: ``str(eqn.source_info.name_stack)`` gives ``"jvp(GPT)/h_0/attn"``;
 a name stack is relative to the jaxpr it sits in (callers prepend their own); call-like

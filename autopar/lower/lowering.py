@@ -8,8 +8,14 @@
   traced, inlined jaxpr (loop bodies included, addressed by ``scope``) when a graph is
   given; without constraints the user's function itself is jitted;
 * ZeRO-3 (``plan.zero_stage == 3``): parameters sharded over data-parallel axes are
-  constrained to their *gathered* spec where the step uses them, which makes XLA all-gather
-  weights (not activations) before use and reduce-scatter their gradients;
+  constrained to their *gathered* spec at the step's entry, which makes XLA all-gather
+  weights (not activations, its choice without the constraint) and, transposing the
+  constraint, reduce their gradients to the sharded update's layout (all-reduce +
+  dynamic-slice on CPU, a reduce-scatter on accelerators). The gathered copy lives for the
+  whole step: per-layer gathering inside a scanned body would need a hook on loop-body
+  *inputs*, which the graph interpreter does not offer. ZeRO-1/2 need nothing beyond the
+  in/out shardings (stage 2's sharded gradients are internal; XLA picks the same
+  reduce-then-slice pattern for both);
 * donation only of ``options.donate_argnums``; :meth:`LoweredStep.place_inputs` copies
   inputs onto the planned shardings without ever aliasing the caller's buffers.
 

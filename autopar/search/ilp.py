@@ -12,10 +12,15 @@ Steps (one :class:`ProblemBuilder` per graph and mesh):
    ``delta`` (a stacked ``ys`` seen outside has one more, unsharded, leading dim).
 2. **Coarsen.** An op that can take its layout from one operand (elementwise, reshape,
    transpose, broadcast, reduction, slicing, ...; see ``strategies.FOLLOWABLE``) joins
-   the *group* of that operand's producer and gets no choice of its own. Groups are the
-   ILP's nodes; their leaders are matmuls, convolutions, gathers, scatters, inputs,
-   scan-body inputs and pinned constraints. Identical unrolled layers
-   (``Layer.signature``) are tied by alias groups, so the solver decides one layer.
+   the *group* of that operand's producer and gets no choice of its own; so does a scan
+   body's input (it takes the layout of the value entering the loop, as XLA gives a
+   loop's operand, body parameter and result one sharding). Ops that read no graph input
+   (iota, broadcast constants, masks) get no group at all: XLA materialises constants in
+   whatever layout their consumer wants. Groups are the ILP's nodes; their leaders are
+   matmuls, convolutions, gathers, scatters, inputs, loop carries that start from a
+   constant, and pinned constraints. Identical unrolled layers (``Layer.signature``) are
+   tied by alias groups (leaders at the same position, and the inputs the layers read),
+   so the solver decides one layer; groups with equal signatures are priced once.
 3. **Price.** A group's strategy = its leader's strategy plus what each follower does
    with the layout it receives: cost = sum of (compute + collectives) x trip count, plus
    resharding between ops inside the group. Reads across groups become edges with a
@@ -29,6 +34,7 @@ Steps (one :class:`ProblemBuilder` per graph and mesh):
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,20 +192,19 @@ def match_optimizer_state(graph: Graph) -> dict[int, list[int]]:
     params = graph.inputs_by_role("param")
     states = graph.inputs_by_role("opt_state")
     out: dict[int, list[int]] = {p.index: [] for p in params}
-    rels = {}
+    by_rel: dict[tuple[str, tuple[int, ...]], int] = {}
     for p in params:
         parts = p.path.split("/")
         rel = "/".join(parts[parts.index("params") + 1 :]) if "params" in parts else p.path
-        rels[p.index] = rel
+        by_rel.setdefault((rel, p.tensor.shape), p.index)
     for o in states:
-        best, best_len = None, -1
-        for p in params:
-            rel = rels[p.index]
-            if p.tensor.shape == o.tensor.shape and (o.path == rel or o.path.endswith("/" + rel)):
-                if len(rel) > best_len:
-                    best, best_len = p.index, len(rel)
-        if best is not None:
-            out[best].append(o.index)
+        parts = o.path.split("/")
+        # The longest suffix of the state's path that names a parameter of its shape.
+        for start in range(len(parts)):
+            hit = by_rel.get(("/".join(parts[start:]), o.tensor.shape))
+            if hit is not None:
+                out[hit].append(o.index)
+                break
     return out
 
 
@@ -290,15 +295,26 @@ def _constraint(bp: BuiltProblem, moment: int) -> MemoryConstraint:
     constant = 0.0
     terms: dict[int, list[float]] = {}
     values = list(bp.persistent) + (bp.timeline.live_at(moment) if len(bp.timeline) else [])
+    cache: dict[tuple, list[float]] = {}
+    mesh = bp.ctx.mesh
     for v in values:
         if v.ref is None or v.ref.op not in bp.op_group:
             continue  # constants: see BuiltProblem.value_bytes
         g, pos = bp.op_group[v.ref.op]
         group = bp.groups[g]
-        vec = terms.setdefault(g, [0.0] * len(group.strategies))
-        for s, strats in enumerate(group.strategies):
-            spec = _pad(strats[pos].outs[v.ref.port], v.ref.delta)
-            vec[s] += v.tensor.nbytes / shards(spec, bp.ctx.mesh)
+        key = (id(group.strategies), pos, v.ref.port, v.ref.delta, v.tensor.nbytes)
+        per = cache.get(key)
+        if per is None:
+            per = cache[key] = [
+                v.tensor.nbytes / shards(_pad(st[pos].outs[v.ref.port], v.ref.delta), mesh)
+                for st in group.strategies
+            ]
+        vec = terms.get(g)
+        if vec is None:
+            terms[g] = list(per)
+        else:
+            for s, b in enumerate(per):
+                vec[s] += b
     # A term equal for every strategy is a constant.
     out_terms = []
     for g, vec in sorted(terms.items()):
@@ -725,16 +741,20 @@ class ProblemBuilder:
             for p, oi in enumerate(g.ops)
             if p > 0
         ]
+        memo: list[dict] = [{} for _ in ops]  # per follower: main layout -> (strategy, cost)
         for lead in self._leader_strategies(leader):
             strats: list[OpStrategy] = [lead]
             cost = leader.weight * self._strategy_cost(leader, lead)
             for pos in range(1, len(ops)):
-                op = ops[pos]
                 k, ppos, ref = mains[pos]
-                spec = _pad(strats[ppos].outs[ref.port], ref.delta)
-                st = self._follow(op, k, spec)
-                strats.append(st)
-                cost += op.weight * self._strategy_cost(op, st)
+                spec = strats[ppos].outs[ref.port]
+                hit = memo[pos].get(spec)
+                if hit is None:
+                    op = ops[pos]
+                    st = self._follow(op, k, _pad(spec, ref.delta))
+                    hit = memo[pos][spec] = (st, op.weight * self._strategy_cost(op, st))
+                strats.append(hit[0])
+                cost += hit[1]
             # Reads inside the group: free when layouts agree, else a resharding.
             for pos, reads in enumerate(internal):
                 st = strats[pos]
@@ -874,15 +894,14 @@ class ProblemBuilder:
                     oa, ob = node_op.get(a), node_op.get(b)
                     if oa is None or ob is None or oa not in where or ob not in where:
                         continue
-                    ga, pa = where[oa]
-                    gb, pb = where[ob]
-                    if pa != 0 or pb != 0 or ga == gb:
-                        continue  # tie leaders only; followers come along
                     if self._key(self.ops[oa]) != self._key(self.ops[ob]):
                         continue
-                    if _same_layouts(groups[ga], groups[gb]):
+                    ga, pa = where[oa]
+                    gb, pb = where[ob]
+                    # Tie leaders (followers come along) ...
+                    if pa == 0 and pb == 0 and ga != gb and _same_layouts(groups[ga], groups[gb]):
                         ties.append((ga, gb))
-                    # Tie the inputs each leader reads directly (the layer's parameters).
+                    # ... and the inputs any op of the layer reads (its parameters).
                     for ra, rb in zip(self.ops[oa].operands, self.ops[ob].operands, strict=True):
                         if ra is None or rb is None:
                             continue
@@ -925,12 +944,13 @@ class ProblemBuilder:
             for port, v in enumerate(node.outputs):
                 if v in skip:
                     continue
-                users = [c for c in graph.consumers.get(v, ()) if c in pos]
+                users = graph.consumers.get(v, ())  # nodes of this graph
                 end = n - 1 if v in out_values else max((pos[c] for c in users), default=i)
-                phases = {graph.nodes[pos[c]].phase for c in users}
-                cat = (
-                    "grads" if node.phase == "backward" and "optimizer" in phases else "activations"
-                )
+                cat = "activations"
+                if node.phase == "backward" and any(
+                    graph.nodes[pos[c]].phase == "optimizer" for c in users
+                ):
+                    cat = "grads"
                 mv = MemValue(env.get(v), node.out_tensors[port], cat, f"{node.name_stack}:{port}")
                 born[i].append(mv)
                 dies[end].append(mv)
@@ -944,6 +964,18 @@ class ProblemBuilder:
 
     # -- build --------------------------------------------------------------------------
     def build(self) -> BuiltProblem:
+        # Building allocates hundreds of thousands of small objects that stay alive; the
+        # cyclic GC would rescan them over and over (a third of the build time at 96
+        # layers). They hold no cycles that need collecting mid-build.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._build()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _build(self) -> BuiltProblem:
         self._flatten()
         self._family = self._families()
         groups, where = self._group()

@@ -75,9 +75,13 @@ class ProblemEdge:
     name: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "src_classes", tuple(int(c) for c in self.src_classes))
-        object.__setattr__(self, "dst_classes", tuple(int(c) for c in self.dst_classes))
-        object.__setattr__(self, "costs", tuple(tuple(float(c) for c in r) for r in self.costs))
+        # Builders pass tuples already; JSON and hand-written problems may pass lists.
+        if type(self.src_classes) is not tuple:
+            object.__setattr__(self, "src_classes", tuple(int(c) for c in self.src_classes))
+        if type(self.dst_classes) is not tuple:
+            object.__setattr__(self, "dst_classes", tuple(int(c) for c in self.dst_classes))
+        if type(self.costs) is not tuple or any(type(r) is not tuple for r in self.costs):
+            object.__setattr__(self, "costs", tuple(tuple(float(c) for c in r) for r in self.costs))
         rows, cols = len(self.costs), len(self.costs[0]) if self.costs else 0
         if max(self.src_classes, default=-1) >= rows or max(self.dst_classes, default=-1) >= cols:
             raise ValueError(f"edge {self.name!r}: class index outside its {rows}x{cols} matrix")

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,6 +40,10 @@ class MeshShape:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_size", dict(zip(self.names, self.sizes, strict=True)))
+        object.__setattr__(self, "_rank", {n: i for i, n in enumerate(self.names)})
+
     @classmethod
     def from_mapping(cls, mesh: Mapping[str, int]) -> MeshShape:
         return cls(tuple(mesh), tuple(int(s) for s in mesh.values()))
@@ -47,7 +52,7 @@ class MeshShape:
         return dict(zip(self.names, self.sizes, strict=True))
 
     def size(self, axis: str) -> int:
-        return self.sizes[self.names.index(axis)]
+        return self._size[axis]
 
     @property
     def active(self) -> tuple[str, ...]:
@@ -60,7 +65,7 @@ class MeshShape:
 
     def order(self, axes: Iterable[str]) -> tuple[str, ...]:
         """``axes`` sorted outer -> inner (the canonical order within one dimension)."""
-        return tuple(sorted(axes, key=self.names.index))
+        return tuple(sorted(axes, key=self._rank.__getitem__))
 
     def prod(self, axes: Iterable[str]) -> int:
         return math.prod(self.size(a) for a in axes)
@@ -131,8 +136,15 @@ def enumerate_shardings(
         [((), ()), (('data',), ())]
     """
     axes = mesh.active if axes is None else tuple(a for a in axes if mesh.size(a) > 1)
+    dims = tuple(range(len(shape))) if dims is None else tuple(dims)
+    return list(_enumerate(tuple(shape), mesh, axes, dims))
+
+
+@functools.lru_cache(maxsize=4096)
+def _enumerate(
+    shape: tuple[int, ...], mesh: MeshShape, axes: tuple[str, ...], dims: tuple[int, ...]
+) -> tuple[Sharding, ...]:
     rank = len(shape)
-    dims = tuple(range(rank)) if dims is None else tuple(dims)
     out: list[Sharding] = []
     seen: set[Sharding] = set()
     for choice in itertools.product((None, *dims), repeat=len(axes)):
@@ -145,7 +157,7 @@ def enumerate_shardings(
             continue
         seen.add(spec)
         out.append(spec)
-    return out
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- reshape

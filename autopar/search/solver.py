@@ -20,8 +20,9 @@ Formulation (one boolean ``x[n, s]`` per node ``n`` and strategy ``s``):
 
 Before building, edges between aliased nodes become node costs, edges whose producer or
 consumer has a single layout class become node costs, and parallel edges are merged.
-Costs are scaled to integers (the largest coefficient near 1e7); the reported objective
-is recomputed exactly from the choice.
+Costs are scaled so the largest coefficient is 1e7 (rounded to integers for CP-SAT);
+memory is scaled the same way with coefficients rounded up (a choice the solver accepts
+never exceeds the bound). The reported objective is recomputed exactly from the choice.
 
 Example:
     >>> solve(problem, time_limit_s=10).choice        # doctest: +SKIP
@@ -149,8 +150,8 @@ def solve(
         backend: ``"highs"`` (default: the HiGHS MIP solver through
             ``scipy.optimize.milp``, on the local-polytope formulation whose LP relaxation
             is nearly tight for these problems) or ``"cpsat"`` (OR-Tools CP-SAT).
-        num_workers: solver threads.
-        hint: a starting choice (e.g. the greedy one); need not be feasible.
+        num_workers: CP-SAT search workers (HiGHS runs single-threaded).
+        hint: a starting choice for CP-SAT (default: the greedy one); need not be feasible.
         minimize: ``"cost"`` (the objective) or ``"memory"`` (the largest memory
             constraint, ignoring ``memory_limit``: the smallest achievable footprint).
 

@@ -115,3 +115,13 @@ def test_unplanned_collectives_are_flagged_by_share() -> None:
     row = report.row("reduce-scatter")
     assert row.status == "unplanned" and row.share == pytest.approx(0.5, abs=0.01)
     assert not report.ok
+
+
+def test_compiled_and_saved_hlo_inputs(dp_mlp) -> None:
+    plan, lowered, _ = dp_mlp
+    final = verify(plan, lowered.compile(), check_memory=False)
+    assert any("final compiled HLO" in n for n in final.notes)
+    assert final.hlo_bytes("all-reduce") > 0
+    text = dump_spmd_hlo(lowered)
+    saved = verify(plan, lowered, hlo_text=text, check_memory=False)
+    assert saved.hlo_bytes() == MLP_PARAM_BYTES + LOSS_BYTES
