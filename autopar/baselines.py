@@ -357,7 +357,7 @@ def zero(
 
     Example:
         >>> plan = zero(graph, {"data": 8}, stage=3)                  # doctest: +SKIP
-        >>> plan.zero_stage
+        >>> plan.zero_stage                                          # doctest: +SKIP
         3
     """
     if stage not in (1, 2, 3):

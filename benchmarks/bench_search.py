@@ -50,14 +50,13 @@ def bp_key(op) -> tuple:
 
 
 def run(layers: int, scan: bool, mesh: dict[str, int], batch: int = 8) -> dict:
-    from cost_models import Cluster
-
     from autopar.options import SearchOptions
     from autopar.search.evaluate import decode
     from autopar.search.planner import build_problem, solve_within_memory
     from autopar.search.solver import _reduce
     from autopar.trace import trace
     from benchmarks.models.gpt import GPTConfig, make_train_step
+    from cost_models import Cluster
 
     cfg = GPTConfig.preset("gpt2-small", layers=layers, scan_layers=scan)
     step, args = make_train_step(cfg, batch)

@@ -2,7 +2,7 @@
 
 Example:
     >>> mesh = make_mesh({"data": 2, "tensor": 4})          # doctest: +SKIP
-    >>> mesh.shape
+    >>> dict(mesh.shape)                                    # doctest: +SKIP
     {'data': 2, 'tensor': 4}
 """
 

@@ -101,6 +101,7 @@ class Group:
     follow: dict[int, int] = field(default_factory=dict)  # follower op -> main operand
     strategies: list[list[OpStrategy]] = field(default_factory=list)  # [s][position]
     costs: list[float] = field(default_factory=list)
+    compute: list[float] = field(default_factory=list)  # the compute part of each cost
 
 
 @dataclass(frozen=True)
@@ -718,10 +719,10 @@ class ProblemBuilder:
             sig = self._group_signature(g, where)
             hit = cache.get(sig)
             if hit is not None:
-                g.strategies, g.costs = hit[0], hit[1]
+                g.strategies, g.costs, g.compute = hit
                 continue
             self._price_group(g, where)
-            cache[sig] = (g.strategies, g.costs)
+            cache[sig] = (g.strategies, g.costs, g.compute)
 
     def _price_group(self, g: Group, where: dict[int, tuple[int, int]]) -> None:
         leader = self.ops[g.ops[0]]
@@ -745,6 +746,7 @@ class ProblemBuilder:
         for lead in self._leader_strategies(leader):
             strats: list[OpStrategy] = [lead]
             cost = leader.weight * self._strategy_cost(leader, lead)
+            compute = leader.weight * lead.compute_s
             for pos in range(1, len(ops)):
                 k, ppos, ref = mains[pos]
                 spec = strats[ppos].outs[ref.port]
@@ -752,9 +754,14 @@ class ProblemBuilder:
                 if hit is None:
                     op = ops[pos]
                     st = self._follow(op, k, _pad(spec, ref.delta))
-                    hit = memo[pos][spec] = (st, op.weight * self._strategy_cost(op, st))
+                    hit = memo[pos][spec] = (
+                        st,
+                        op.weight * self._strategy_cost(op, st),
+                        op.weight * st.compute_s,
+                    )
                 strats.append(hit[0])
                 cost += hit[1]
+                compute += hit[2]
             # Reads inside the group: free when layouts agree, else a resharding.
             for pos, reads in enumerate(internal):
                 st = strats[pos]
@@ -768,6 +775,7 @@ class ProblemBuilder:
                         cost += w * self._reshard_cost(t, have, need, leader)
             g.strategies.append(strats)
             g.costs.append(cost)
+            g.compute.append(compute)
 
     # -- edges --------------------------------------------------------------------------
     def _edges(

@@ -169,7 +169,16 @@ def _better(a: MeshResult, b: MeshResult) -> bool:
 
 
 def _lower_bound(bp: BuiltProblem) -> float:
+    """Every group at its cheapest strategy, edges and memory ignored (<= the ILP optimum)."""
     return sum(min(n.costs) for n in bp.problem.nodes)
+
+
+def _step_lower_bound(bp: BuiltProblem, objective_bound: float, eta: float) -> float:
+    """A lower bound on the step time: at least the least compute every group needs, and
+    at least the objective bound minus what overlap can hide (at most ``eta`` x compute,
+    and compute <= the objective)."""
+    compute = sum(min(g.compute) for g in bp.groups)
+    return max(compute, (1 - eta) * objective_bound)
 
 
 # ----------------------------------------------------------------------------- naming
@@ -435,7 +444,8 @@ def plan_graph(
     for mesh in meshes:
         bp = build_problem(graph, cluster, mesh, options, limit)
         tried.append(MeshResult(mesh, _lower_bound(bp), bp))
-    tried.sort(key=lambda r: r.bound_s)
+    # Fewer axes first (small problems, quick incumbents), then by bound.
+    tried.sort(key=lambda r: (len(r.mesh), r.bound_s))
     eta = cluster.overlap_efficiency
     best: MeshResult | None = None
     solved = 0
@@ -443,7 +453,10 @@ def plan_graph(
         if solved >= options.max_meshes:
             r.skipped = "max_meshes reached"
             continue
-        if best is not None and (1 - eta) * r.bound_s > best.evaluation.step_time_s:
+        if (
+            best is not None
+            and _step_lower_bound(r.built, r.bound_s, eta) >= best.evaluation.step_time_s
+        ):
             r.skipped = "lower bound above the best step time"
             continue
         solved += 1

@@ -163,6 +163,7 @@ def solve(
             infeasibility or the time limit.
 
     Example:
+        >>> from autopar.search.problem import ProblemNode
         >>> p = ShardingProblem((ProblemNode("a", (2.0, 1.0)),))
         >>> sol = solve(p)
         >>> sol.choice, sol.status

@@ -28,7 +28,7 @@ Example:
     ...   ROOT %ar = f32[8,4]{1,0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
     ... }'''
     >>> [(c.kind, c.bytes, c.group_size) for c in parse_collectives(hlo)]
-    [('all-reduce', 128, 2)]
+    [('all-reduce', 128.0, 2)]
 """
 
 from __future__ import annotations

@@ -38,7 +38,10 @@ def mlp(batch: int, d: int, h: int, dtype=jnp.float32):
         "w1": jax.ShapeDtypeStruct((d, h), dtype),
         "w2": jax.ShapeDtypeStruct((h, d), dtype),
     }
-    data = {"x": jax.ShapeDtypeStruct((batch, d), dtype), "y": jax.ShapeDtypeStruct((batch, d), dtype)}
+    data = {
+        "x": jax.ShapeDtypeStruct((batch, d), dtype),
+        "y": jax.ShapeDtypeStruct((batch, d), dtype),
+    }
     return step, (abstract_state(params, tx), data)
 
 

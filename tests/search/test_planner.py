@@ -10,13 +10,13 @@ import math
 import re
 
 import pytest
-from cost_models import Cluster
 
 from autopar.errors import InfeasiblePlanError, InvalidOptionError
 from autopar.options import SearchOptions
 from autopar.plan import ActivationConstraint, Plan, TensorSharding
 from autopar.search import evaluate_plan, plan_graph
 from autopar.trace import trace
+from cost_models import Cluster
 from tests.search.models import mlp, moe
 
 FOUR = Cluster.preset("dgx-a100-80gb", devices_per_node=4)
@@ -77,7 +77,9 @@ def test_hidden_heavy_mlp_is_megatron(mlp_hidden_heavy):
     assert w2[1] is None and _ways(plan, w2[0]) == 4  # second kernel: split its input dim
     assert _axes(w1[1]) == _axes(w2[0])
     (_, first), (_, second) = _ops(plan)
-    assert first.startswith("column(") and second.startswith("row(") and second.endswith("all-reduce")
+    assert (
+        first.startswith("column(") and second.startswith("row(") and second.endswith("all-reduce")
+    )
     # One all-reduce of the [32, 8192] fp32 activation for the layer pair (the input x
     # needs no gradient, so the backward has none).
     ars = [c for c in plan.predicted.collectives if c.kind == "all-reduce" and c.where == "tensor"]

@@ -3,13 +3,13 @@
 import math
 
 import pytest
-from cost_models import Cluster
 
 from autopar.options import SearchOptions
 from autopar.plan import Plan, TensorSharding
 from autopar.search import evaluate_plan, plan_graph
 from autopar.trace import trace
 from benchmarks.models.gpt import GPTConfig, make_train_step
+from cost_models import Cluster
 
 
 def _axes(entry):
@@ -71,7 +71,9 @@ def test_gpt_block_on_data_x_tensor():
     megatron = Plan(
         mesh=mesh,
         inputs=tuple(
-            TensorSharding(i.path, i.tensor.shape, i.tensor.dtype, spec(i.path, i.tensor.ndim), i.role)
+            TensorSharding(
+                i.path, i.tensor.shape, i.tensor.dtype, spec(i.path, i.tensor.ndim), i.role
+            )
             for i in g.inputs
         ),
     )
@@ -89,7 +91,9 @@ def test_long_sequence_batch_one_shards_the_sequence():
     assert plan.input("batch/tokens").spec == (None, "seq")
     # The attention scores [b, h, q, k] are split along the queries.
     scores = [
-        a for a in plan.activations if a.name.endswith("bqhd,bkhd->bhqk") and "transpose" not in a.name
+        a
+        for a in plan.activations
+        if a.name.endswith("bqhd,bkhd->bhqk") and "transpose" not in a.name
     ]
     assert scores and all(_axes(a.spec[2]) == ("seq",) for a in scores)
 

@@ -94,11 +94,18 @@ def _random_problem(rng: random.Random) -> ShardingProblem:
         src = tuple(rng.randrange(2) if su > 1 else 0 for _ in range(su))
         dst = tuple(rng.randrange(2) if sv > 1 else 0 for _ in range(sv))
         rows, cols = max(src) + 1, max(dst) + 1
-        costs = tuple(tuple(rng.choice([0.0, rng.uniform(0, 8)]) for _ in range(cols)) for _ in range(rows))
+        costs = tuple(
+            tuple(rng.choice([0.0, rng.uniform(0, 8)]) for _ in range(cols)) for _ in range(rows)
+        )
         edges.append(ProblemEdge(u, v, src, dst, costs))
     memory = (
         MemoryConstraint(
-            "m", 1.0, tuple((i, tuple(rng.uniform(0, 10) for _ in range(nd.num_strategies))) for i, nd in enumerate(nodes))
+            "m",
+            1.0,
+            tuple(
+                (i, tuple(rng.uniform(0, 10) for _ in range(nd.num_strategies)))
+                for i, nd in enumerate(nodes)
+            ),
         ),
     )
     return ShardingProblem(nodes, tuple(edges), memory, memory_limit=rng.uniform(15, 40))

@@ -1,11 +1,11 @@
 """Strategies of single operations, on hand-built nodes (expected lists worked out by hand)."""
 
 import pytest
-from cost_models import Cluster, collective_time
 
 from autopar.search.costs import CostContext
 from autopar.search.strategies import enumerate_strategies, follow_strategy
 from autopar.trace.graph import Node, TensorInfo
+from cost_models import Cluster, collective_time
 
 CLUSTER = Cluster.preset("dgx-a100-80gb")
 F32 = "float32"
@@ -107,7 +107,9 @@ def test_cumsum_and_slices_do_not_shard_their_dim():
     c = _node("cumsum", [(8, 4)], [(8, 4)], axis=1)
     s = follow_strategy(c, 0, (("x",), ("x",)), ctx)  # (invalid input on purpose)
     assert s.ins[0][1] == () and s.outs[0][1] == ()
-    sl = _node("slice", [(8, 4)], [(8, 2)], start_indices=(0, 0), limit_indices=(8, 2), strides=None)
+    sl = _node(
+        "slice", [(8, 4)], [(8, 2)], start_indices=(0, 0), limit_indices=(8, 2), strides=None
+    )
     s = follow_strategy(sl, 0, (("x",), ()), ctx)
     assert s.outs == ((("x",), ()),)
 
