@@ -11,9 +11,11 @@ Example:
 
 __version__ = "0.1.0"
 
-from cost_models import Cluster  # noqa: E402
-
-from autopar import baselines  # noqa: E402
+from autopar import (  # noqa: E402  (autopar.trace is callable: trace(fn, *args))
+    baselines,  # noqa: E402
+    report,
+    trace,
+)
 from autopar.api import (  # noqa: E402
     AutoParallel,
     autoparallel,
@@ -41,7 +43,7 @@ from autopar.plan import (  # noqa: E402
     TensorSharding,
 )
 from autopar.trace import Graph  # noqa: E402
-from autopar.trace import trace as trace  # noqa: E402  (the function shadows the subpackage)
+from cost_models import Cluster  # noqa: E402
 
 __all__ = [
     "ActivationConstraint",
@@ -64,6 +66,7 @@ __all__ = [
     "TraceFunctionError",
     "UnknownPresetError",
     "__version__",
+    "report",
     "autoparallel",
     "baselines",
     "evaluate",

@@ -162,7 +162,12 @@ class PipelinePlan:
 
 @dataclass(frozen=True)
 class PredictedCollective:
-    """One kind of collective the plan implies: where, how big, how often, how long."""
+    """One kind of collective the plan implies: where, how big, how often, how long.
+
+    ``bytes`` and ``time_s`` are totals per step (all ``count`` executions together), per
+    device, with the cost model's convention: all-reduce = the buffer, all-gather = the full
+    gathered output, reduce-scatter = the full input, all-to-all = the buffer.
+    """
 
     kind: str
     axes: tuple[str, ...]

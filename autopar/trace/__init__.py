@@ -13,6 +13,9 @@ Example:
     (2, 8.0)
 """
 
+import sys
+import types
+
 from autopar.trace.api import graph_from_jaxpr, trace
 from autopar.trace.evaluate import Hook, as_function, evaluate_inlined, hooked_body
 from autopar.trace.graph import (
@@ -44,3 +47,15 @@ __all__ = [
     "inline_jaxpr",
     "trace",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """Makes ``autopar.trace(fn, *args)`` work whether ``autopar.trace`` names this package
+    or the function: Python rebinds a package attribute to the submodule when a submodule
+    is imported later, so the package itself forwards calls to :func:`trace`."""
+
+    def __call__(self, fn, *args, **kwargs):
+        return trace(fn, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

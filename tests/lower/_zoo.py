@@ -5,11 +5,9 @@ Tolerances (written once, never loosened to make a test pass):
 * ``LOSS_RTOL = 1e-5``: DESIGN.md's bound for float32. The sharded program sums the same
   numbers in another order (per-shard partial sums, then an all-reduce), so the loss
   differs by a few float32 ulps (2**-24 ~ 6e-8) per reduction level, far below 1e-5.
-  ``LOSS_ATOL = 1e-5`` applies the same 1e-5 to the *scale of the terms* the loss is made
-  of: a cross-entropy is ``logsumexp(z) - z_y`` with O(1)-or-larger logits, so its
-  rounding error is ~1e-5 x O(1) even when the loss itself has fallen to ~0.05 (the tiny
-  Wide-ResNet memorises its 8 images in 3 steps); a relative bound alone would then demand
-  more precision of the difference than float32 gives its terms.
+  (No absolute term: the slow case wide_resnet-data_tensor-2x2x2 reaches 2.5e-5 relative
+  at step 3 on a loss of 0.08; it stays a known failure of the slow suite rather than a
+  reason to widen this bound.)
 * ``PARAM_ATOL = 1e-5``: after ``STEPS`` AdamW steps each parameter differs by (a) the
   rounding of ``p - lr * (u + wd * p)``, about one ulp of ``|p|`` per step (|p| < 4 in the
   tiny models: 4.8e-7 per step), plus (b) ``lr * |du|`` where ``u = m_hat / (sqrt(v_hat) +
@@ -36,7 +34,6 @@ from autopar import baselines
 LR = 1e-3  # the zoo's default AdamW learning rate
 STEPS = 3
 LOSS_RTOL = 1e-5
-LOSS_ATOL = 1e-5
 PARAM_ATOL = 1e-5
 PARAM_FLIP_ATOL = 2 * LR * STEPS
 MAX_FLIP_FRACTION = 1e-3
