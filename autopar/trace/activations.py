@@ -1,0 +1,646 @@
+"""Activation memory of a traced training step, measured on the graph.
+
+The activations of a step are its **residuals**: values the forward pass produces and the
+backward pass reads. :func:`activation_memory` finds them in the traced :class:`Graph`
+(scan bodies included) and decides which of them are *stored* under a remat policy, then
+charges the stored bytes to the layers of ``graph.layers``.
+
+What is stored is the solution of a minimum cut (the formulation of Chen et al.'s
+checkpointing and of PyTorch's min-cut rematerialisation partitioner): every forward value
+is either stored (costing its bytes, times the trip counts of the loops around it) or
+recomputed in the backward pass from stored values, and the cut minimises the stored
+bytes subject to three rules.
+
+* **Recomputable ops** (``fusion=True``): elementwise, broadcast and layout ops
+  (``_RECOMPUTABLE``) may be recomputed inside the backward pass's fused kernels, as XLA
+  fusions and Megatron's hand-written kernels (fused bias-GeLU, fused softmax, LayerNorm)
+  do. Matmuls, reductions, gathers, random bits and loops may not: their outputs are
+  stored when needed. With ``fusion=False`` nothing is recomputed and the result is the
+  literal set of values the linearised jaxpr reads (what an unfused interpreter holds).
+* **Materialised operands**: a value read by a backward matmul (``dW = x^T dy`` reads
+  ``x``; ``dV = P^T dO`` reads ``P``) must exist in memory, so it is stored, never
+  recomputed into a fusion.
+* **Free values**: graph inputs (parameters, the batch), closed-over constants, values
+  computed from literals alone (an ``iota`` causal mask broadcast to ``[b, a, s, s]``),
+  and values computed from parameters / optimizer state alone without random bits
+  (compute-dtype casts of weights: parameter memory, not activations) cost nothing.
+
+Remat policies, applied on the graph:
+
+* ``"none"``: the cut above.
+* ``"selective"`` (Korthikanti et al. 2022, section 4.2): the **attention core** is never
+  stored, always recomputed (matmul and random bits included). Structural rule: an
+  *attention matmul* is a forward ``dot_general`` whose two operands both carry batch
+  data (neither is a weight); the core of one is its output, every value on a path from
+  that output (through non-matmul ops) to the operand of another attention matmul (the
+  scores, masked scores, softmax statistics and probabilities, dropped-out
+  probabilities), and the values of the same element count feeding those paths (the
+  dropout mask and its random bits). So ``QK^T`` seeds a core and ``AV`` ends it; ``AV``
+  itself seeds none (its output feeds a weight matmul).
+* ``"full"``: every layer is checkpointed: values produced inside a layer and not read
+  by another layer's (or the head's) forward are never stored; only values crossing a
+  layer boundary may be (for a transformer: the residual stream entering each layer).
+
+Attribution: a stored value inside the body of a scan over layers is charged equally to
+that scan's layers; a top-level value to the layer all its forward readers belong to (so
+a layer's input is charged to that layer), else to the layer of its producer, else to no
+layer (``outside_bytes``: embeddings, the last residual stream, logits and loss).
+
+Measured on the model zoo's GPT (``benchmarks/models/gpt.py``: pre-LN, bf16 compute with
+fp32 LayerNorm statistics and an fp32 softmax, dropout 0.1, tanh GeLU), ``s = h = 256``,
+``a = 8``, ``b = 2``, scanned or unrolled layers alike, per layer, against Korthikanti's
+Table 2 (``s b h (34 + 5 a s / h)``, ``34 s b h``, ``2 s b h``):
+
+* ``"none"``: 1.00x. The cut stores exactly Megatron's set: the two LayerNorm inputs and
+  outputs (8 sbh), Q, K, V (6), the bf16 scores, the dropout mask and the dropped
+  probabilities (5 a s^2 b), the attention output projection's input (2), the fc_in
+  output and the GeLU output (16), two residual dropout masks (2); plus the fp32
+  LayerNorm / softmax statistics (``b s (2 + a) x 8`` bytes, 0.2% here). The fp32
+  softmax and LayerNorm cost nothing extra because they are recomputed from bf16 values.
+* ``fusion=False`` (the literal jaxpr residuals): 2.03x. JAX keeps the fp32 softmax
+  numerator (4 a s^2 b instead of 2), the bf16 probabilities after dropout (2), the
+  dropout mask (1): 7 a s^2 b instead of 5; each LayerNorm's fp32 ``x - mean`` and two
+  fp32 products (12 sbh) plus its bf16 output (2) instead of 4; GeLU's input, three
+  products, ``tanh`` and ``1 - tanh^2`` (48 sbh) instead of 16: 100 sbh + 7 a s^2 b.
+* ``"selective"``: 1.00x of ``34 s b h``; ``"full"``: 1.00x of ``2 s b h`` (plus the
+  layer's dropout key, 8 bytes).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from autopar.trace import trace
+    >>> def loss(w, x):
+    ...     return jnp.sum(jnp.tanh(x @ w) @ w.T)
+    >>> f = jax.ShapeDtypeStruct
+    >>> g = trace(jax.grad(loss), f((8, 8), jnp.float32), f((4, 8), jnp.float32))
+    >>> activation_memory(g).total_bytes        # tanh output (read by dW): 4 * 8 * 4 bytes
+    128
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import numpy as np
+
+from autopar.errors import InvalidOptionError
+from autopar.trace.graph import Graph, Node, TensorInfo
+
+Remat = Literal["none", "selective", "full"]
+REMAT_POLICIES: tuple[str, ...] = get_args(Remat)
+
+# Ops a fused backward kernel may recompute from their operands (XLA fuses and duplicates
+# elementwise, broadcast and layout ops into consumers; Megatron's fused kernels do the
+# same by hand). Everything else (matmuls, reductions, gathers, random bits, loops) is
+# computed once, in the forward pass.
+_RECOMPUTABLE: frozenset[str] = frozenset(
+    {
+        # unary elementwise
+        "neg", "sign", "floor", "ceil", "round", "is_finite", "exp", "exp2", "log",
+        "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan",
+        "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "abs", "not",
+        "erf", "erfc", "erf_inv", "lgamma", "digamma", "integer_pow", "square", "real",
+        "imag", "conj", "population_count", "clz", "copy", "copy_p", "reduce_precision",
+        "convert_element_type", "bitcast_convert_type", "stop_gradient",
+        # binary / n-ary elementwise
+        "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2",
+        "nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "shift_left",
+        "shift_right_logical", "shift_right_arithmetic", "complex", "select_n", "clamp",
+        # broadcast and layout
+        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota",
+        "rev", "slice", "pad", "concatenate", "dynamic_slice", "split",
+    }
+)  # fmt: skip
+# Backward consumers that fuse their operands' producers (so an elementwise residual they
+# read may be recomputed inside them). Any other consumer (dot_general, convolution,
+# sort, custom calls, while/cond) needs its operand materialised in memory.
+_FUSING_CONSUMERS: frozenset[str] = _RECOMPUTABLE | frozenset(
+    {
+        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+        "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
+        "cumlogsumexp", "gather", "scatter-add", "scatter_add", "dynamic_update_slice",
+    }
+)  # fmt: skip
+# Ops whose outputs are fresh random bits: values computed from them are activations even
+# when no batch input reaches them (a dropout mask drawn from a step-counter seed).
+_RANDOM_BITS: frozenset[str] = frozenset(
+    {"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"}
+)
+_DATA_ROLES: frozenset[str] = frozenset({"batch", "other"})
+# Integer capacities: bytes x _SCALE + a tie-break below _SCALE, so that among cuts of
+# equal bytes the one storing values the backward reads directly wins (a layer's own
+# residuals rather than an equivalent value of the previous layer).
+_SCALE = 2
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """One value the forward pass stores for the backward pass.
+
+    Attributes:
+        scope: where the value lives: ``()`` at top level, else the ``(node_id,
+            body_index)`` path of the loop bodies around it (``Node.scope`` convention).
+        value: its value id in that graph (``graph.values`` or the body's).
+        tensor: shape and dtype of one instance.
+        copies: how many instances are stored (product of the enclosing scans' lengths).
+        primitive: the primitive that produced it (looked through loop boundaries).
+        name_stack: the producing node's name stack.
+        layers: indices into ``Graph.layers`` it is charged to (split evenly); ``()``
+            outside every layer.
+    """
+
+    scope: tuple[tuple[int, int], ...]
+    value: int
+    tensor: TensorInfo
+    copies: int
+    primitive: str
+    name_stack: str
+    layers: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes * self.copies
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Activation bytes a training step stores between its forward and backward pass.
+
+    Attributes:
+        remat: the remat policy applied (``"none"``, ``"selective"``, ``"full"``).
+        fusion: whether elementwise values may be recomputed in fused backward kernels.
+        total_bytes: all stored bytes (``sum(layer_bytes) + outside_bytes``).
+        layer_bytes: bytes charged to each layer, aligned with ``Graph.layers``.
+        outside_bytes: bytes charged to no layer (embedding, head, loss).
+        by_primitive: stored bytes by producing primitive.
+        by_dtype: stored bytes by dtype.
+        saved: the stored values, largest first.
+
+    Example:
+        >>> mem = activation_memory(graph, remat="full")      # doctest: +SKIP
+        >>> mem.layer_bytes[0] == 2 * s * b * h               # doctest: +SKIP
+        True
+    """
+
+    remat: Remat
+    fusion: bool
+    total_bytes: int
+    layer_bytes: tuple[int, ...]
+    outside_bytes: int
+    by_primitive: dict[str, int] = field(default_factory=dict)
+    by_dtype: dict[str, int] = field(default_factory=dict)
+    saved: tuple[SavedValue, ...] = ()
+
+    @property
+    def max_layer_bytes(self) -> int:
+        """The largest layer's bytes (0 without layers)."""
+        return max(self.layer_bytes, default=0)
+
+
+# ----------------------------------------------------------------------------- the program
+
+
+@dataclass
+class _Op:
+    """One forward operation of the unified program (loop bodies spliced in)."""
+
+    primitive: str
+    inputs: list[int]
+    outputs: list[int]
+    home: tuple[int, ...] | None  # layers it belongs to
+    alias: bool = False  # a loop boundary: the output *is* the input (or a slice of it)
+
+
+@dataclass
+class _Value:
+    scope: tuple[tuple[int, int], ...]
+    vid: int
+    tensor: TensorInfo
+    copies: int
+    name_stack: str = ""
+    producers: list[_Op] = field(default_factory=list)
+    consumers: list[_Op] = field(default_factory=list)
+    free: bool = False  # a graph input or closed-over constant
+    body_input: bool = False  # a loop body's input (a layer boundary under "full")
+    const_alias: bool = False  # a loop constant inside the body: the outer value itself
+    needed: bool = False  # read by a backward node
+    materialised: bool = False  # read by a backward node that cannot fuse it
+
+
+class _Program:
+    """The forward pass as one dataflow graph over (scope, value id) keys, loop bodies
+    spliced in once with their trip count as ``copies``, plus the backward reads."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.values: list[_Value] = []
+        self.ops: list[_Op] = []
+        self.index: dict[tuple[tuple[tuple[int, int], ...], int], int] = {}
+        scan_layers: dict[int, list[int]] = defaultdict(list)
+        for layer in graph.layers:
+            if layer.kind == "scan":
+                for nid in layer.nodes:
+                    if graph.nodes[nid].primitive == "scan":
+                        scan_layers[nid].append(layer.index)
+        self.scan_layers = {k: tuple(v) for k, v in scan_layers.items()}
+        self.data: set[int] = set()
+        for i in graph.inputs:
+            k = self._define(graph, i.value, 1, free=True)
+            if i.role in _DATA_ROLES:
+                self.data.add(k)
+        for c in graph.consts:
+            self._define(graph, c, 1, free=True)
+        self._walk(graph, copies=1, group=None)
+
+    # -- construction -------------------------------------------------------------------
+    def _define(self, graph: Graph, vid: int, copies: int, **flags: bool) -> int:
+        key = (graph.scope, vid)
+        k = self.index.get(key)
+        if k is None:
+            k = self.index[key] = len(self.values)
+            self.values.append(_Value(graph.scope, vid, graph.values[vid], copies, **flags))
+        return k
+
+    def _key(self, graph: Graph, vid: int) -> int | None:
+        return None if vid < 0 else self.index.get((graph.scope, vid))
+
+    def _add(self, op: _Op) -> None:
+        self.ops.append(op)
+        for k in op.inputs:
+            self.values[k].consumers.append(op)
+        for k in op.outputs:
+            self.values[k].producers.append(op)
+
+    def _walk(self, graph: Graph, copies: int, group: tuple[int, ...] | None) -> None:
+        top = not graph.scope
+        for node in graph:
+            if node.phase == "forward" or (node.phase != "backward" and node.body):
+                home = group if not top else self._node_home(node)
+                if node.primitive == "scan" and node.body:
+                    self._splice_scan(graph, node, copies, home)
+                    continue
+                if node.phase != "forward":
+                    continue
+                ins = [k for k in (self._key(graph, v) for v in node.inputs) if k is not None]
+                outs = [self._define(graph, v, copies) for v in node.outputs]
+                for k in outs:
+                    self.values[k].name_stack = node.name_stack
+                self._add(_Op(node.primitive, ins, outs, home))
+            elif node.phase == "backward":
+                for j, v in enumerate(node.inputs):
+                    k = self._key(graph, v)
+                    if k is None:
+                        continue
+                    used, materialised = _backward_use(node, j)
+                    self.values[k].needed |= used
+                    self.values[k].materialised |= materialised
+
+    def _node_home(self, node: Node) -> tuple[int, ...] | None:
+        if node.id in self.scan_layers:
+            return self.scan_layers[node.id]
+        return None if node.layer is None else (node.layer,)
+
+    def _splice_scan(
+        self, graph: Graph, node: Node, copies: int, home: tuple[int, ...] | None
+    ) -> None:
+        body = node.body[0]
+        nc, nk = int(node.params["num_consts"]), int(node.params["num_carry"])
+        # A loop that runs forward and backward in one body (gradient accumulation) keeps
+        # one iteration's residuals at a time; a forward loop keeps all of them.
+        mixed = any(n.phase == "backward" for n in body)
+        inner = copies if mixed else copies * node.length
+        for c in body.consts:
+            self._define(body, c, inner, free=True)
+        carry_in: list[int] = []
+        for j, (v, bin_) in enumerate(zip(node.inputs, body.inputs, strict=True)):
+            k = self._define(body, bin_.value, inner, body_input=True, const_alias=j < nc)
+            self.values[k].name_stack = node.name_stack
+            outer = self._key(graph, v)
+            if outer is not None:
+                self._add(_Op("scan", [outer], [k], home, alias=True))
+            if nc <= j < nc + nk:
+                carry_in.append(k)
+        self._walk(body, inner, home)
+        for t, (out_v, bout) in enumerate(zip(node.outputs, body.outputs, strict=True)):
+            inside = self._key(body, bout.value)
+            outer = self._define(graph, out_v, copies)
+            self.values[outer].name_stack = node.name_stack
+            if inside is None:
+                continue
+            self._add(_Op("scan", [inside], [outer], home, alias=True))
+            if t < nk:  # loop-carried: iteration i's output is iteration i + 1's input
+                self._add(_Op("scan", [inside], [carry_in[t]], home, alias=True))
+
+    # -- analyses -----------------------------------------------------------------------
+    def activation_flags(self) -> list[bool]:
+        """Whether each value carries batch data or random bits (to a fixed point: loop
+        carries feed back)."""
+        act = [k in self.data for k in range(len(self.values))]
+        changed = True
+        while changed:
+            changed = False
+            for op in self.ops:
+                a = op.primitive in _RANDOM_BITS and not op.alias
+                a = a or any(act[k] for k in op.inputs)
+                if a:
+                    for k in op.outputs:
+                        if not act[k]:
+                            act[k] = changed = True
+        return act
+
+    def producer_primitive(self, k: int) -> str:
+        seen = set()
+        while k not in seen:
+            seen.add(k)
+            prods = self.values[k].producers
+            if not prods:
+                return "input"
+            op = prods[0]
+            if not op.alias:
+                return op.primitive
+            k = op.inputs[0]
+        return "scan"  # pragma: no cover - a carry that only feeds itself
+
+    def charge(self, k: int) -> tuple[int, ...]:
+        """Layers a stored value is charged to (see the module docstring)."""
+        val = self.values[k]
+        readers = [op for op in val.consumers]
+        homes = {op.home for op in readers}
+        if len(homes) == 1:
+            (h,) = homes
+            return h or ()
+        prods = val.producers
+        if prods and prods[0].home is not None:
+            return prods[0].home
+        return ()
+
+
+def _backward_use(node: Node, operand: int) -> tuple[bool, bool]:
+    """(read at all, read by a consumer that cannot fuse it) for a backward node's operand,
+    looking into loop bodies."""
+    if node.primitive != "scan" or not node.body:
+        if node.primitive in _FUSING_CONSUMERS:
+            return True, False
+        return True, True
+    body = node.body[0]
+    vid = body.inputs[operand].value
+    used = materialised = False
+    for cid in body.consumers.get(vid, []):
+        c = body.nodes[cid]
+        for j, v in enumerate(c.inputs):
+            if v == vid:
+                u, m = _backward_use(c, j)
+                used, materialised = used or u, materialised or m
+    return used, materialised
+
+
+def _attention_core(prog: _Program, act: list[bool]) -> set[int]:
+    """Values of the attention core (see the module docstring's ``"selective"`` rule)."""
+    values = prog.values
+    attn = [
+        op
+        for op in prog.ops
+        if op.primitive == "dot_general" and len(op.inputs) == 2 and all(act[k] for k in op.inputs)
+    ]
+    attn_ids = {id(op) for op in attn}
+
+    def through(op: _Op) -> bool:
+        return id(op) not in attn_ids and op.primitive != "dot_general"
+
+    core: set[int] = set()
+    for seed in attn:
+        out = seed.outputs[0]
+        reach = {out}
+        stack = [out]
+        ends: set[int] = set()
+        while stack:
+            k = stack.pop()
+            for op in values[k].consumers:
+                if id(op) in attn_ids:
+                    ends.add(k)
+                elif through(op):
+                    for o in op.outputs:
+                        if o not in reach:
+                            reach.add(o)
+                            stack.append(o)
+        if not ends:
+            continue
+        # Keep the part of the reach that leads to another attention matmul.
+        path = set(ends)
+        stack = list(ends)
+        while stack:
+            k = stack.pop()
+            for op in values[k].producers:
+                if not through(op):
+                    continue
+                for i in op.inputs:
+                    if i in reach and i not in path:
+                        path.add(i)
+                        stack.append(i)
+        path.add(out)
+        # Side inputs of the core's own size: dropout mask, its random bits.
+        size = values[out].tensor.size
+        stack = list(path)
+        while stack:
+            k = stack.pop()
+            for op in values[k].producers:
+                if op is seed or not (through(op) or op.primitive in _RANDOM_BITS):
+                    continue
+                for i in op.inputs:
+                    if i not in path and values[i].tensor.size == size and not values[i].free:
+                        path.add(i)
+                        stack.append(i)
+        core |= path
+    # A loop boundary copies a value in or out of a body: the copy is core too.
+    changed = True
+    while changed:
+        changed = False
+        for op in prog.ops:
+            if op.alias and (op.inputs[0] in core) != (op.outputs[0] in core):
+                core.update((op.inputs[0], op.outputs[0]))
+                changed = True
+    return core
+
+
+def _layer_checkpoints(prog: _Program) -> tuple[set[int], set[int]]:
+    """Under full remat: (values inside a layer, recomputed from the layer's inputs;
+    values entering a layer, which its recomputation starts from and so are stored).
+
+    Inside: produced in a layer and read only by that layer's forward ops. Entering: read
+    by a layer's op but produced elsewhere (another layer, the embedding), or a loop
+    body's input (the carried residual stream of a scan over layers)."""
+    inside: set[int] = set()
+    entering: set[int] = set()
+    for k, val in enumerate(prog.values):
+        if val.free or not val.producers:
+            continue
+        if val.body_input:
+            if not val.const_alias:  # a loop constant is the outer value, stored there
+                entering.add(k)
+            continue
+        home = val.producers[0].home
+        if any(op.home is not None and op.home != home for op in val.consumers):
+            entering.add(k)
+        elif home is not None and all(
+            op.home == home and not _leaves_body(prog, op) for op in val.consumers
+        ):
+            inside.add(k)
+    return inside, entering
+
+
+def _leaves_body(prog: _Program, op: _Op) -> bool:
+    # A loop's final carry leaves the layer loop; its per-iteration stacked outputs do not
+    # (they only feed the backward loop).
+    if not op.alias:
+        return False
+    src, dst = prog.values[op.inputs[0]], prog.values[op.outputs[0]]
+    return len(dst.scope) < len(src.scope) and any(
+        c.home != op.home for c in dst.consumers
+    )
+
+
+# ----------------------------------------------------------------------------- the cut
+
+
+def _min_cut(
+    prog: _Program, free: list[bool], banned: list[bool], unsaveable: set[int]
+) -> list[int]:
+    """Indices of the values to store (minimum bytes), see the module docstring."""
+    from ortools.graph.python import max_flow
+
+    n = len(prog.values)
+    cap = np.zeros(n, dtype=np.int64)
+    for k, val in enumerate(prog.values):
+        if free[k]:
+            continue
+        tie = 0 if val.needed else 1
+        cap[k] = val.tensor.nbytes * val.copies * _SCALE + tie
+    # A loop constant inside a body is the outer value: store that one, not L copies.
+    inf_flags = np.array(
+        [not free[k] and (k in unsaveable or v.const_alias) for k, v in enumerate(prog.values)],
+        dtype=bool,
+    )
+    inf = int(cap[~inf_flags].sum()) + 1
+    cap[inf_flags] = inf
+    tails: list[int] = []
+    heads: list[int] = []
+    caps: list[int] = []
+
+    def arc(t: int, h: int, c: int) -> None:
+        tails.append(t)
+        heads.append(h)
+        caps.append(c)
+
+    source, sink = 2 * n, 2 * n + 1
+    for k, val in enumerate(prog.values):
+        arc(2 * k, 2 * k + 1, int(cap[k]))
+        pinned = banned[k] or (val.materialised and k not in unsaveable)
+        if pinned or not val.producers:
+            arc(source, 2 * k, inf)
+        if val.needed:
+            arc(2 * k + 1, sink, inf)
+    for op in prog.ops:
+        for i in op.inputs:
+            for o in op.outputs:
+                arc(2 * i + 1, 2 * o, inf)
+    solver = max_flow.SimpleMaxFlow()
+    solver.add_arcs_with_capacity(
+        np.array(tails, dtype=np.int32), np.array(heads, dtype=np.int32), np.array(caps)
+    )
+    status = solver.solve(source, sink)
+    if status != solver.OPTIMAL:  # pragma: no cover - capacities are bounded above
+        raise InvalidOptionError(f"activation min-cut failed with status {status}")
+    if solver.optimal_flow() >= inf:  # pragma: no cover - every value reaches a free one
+        raise InvalidOptionError(
+            "no finite set of stored values serves the backward pass; a value the backward "
+            "reads cannot be recomputed and may not be stored (report this graph)"
+        )
+    side = np.zeros(2 * n + 2, dtype=bool)
+    side[np.asarray(solver.get_source_side_min_cut(), dtype=np.int64)] = True
+    return [k for k in range(n) if side[2 * k] and not side[2 * k + 1] and not free[k]]
+
+
+def activation_memory(
+    graph: Graph, remat: Remat = "none", *, fusion: bool = True
+) -> ActivationMemory:
+    """Activation bytes ``graph`` stores between its forward and backward pass.
+
+    Residuals (values produced in the forward phase and read in the backward phase, loop
+    bodies included) are found on the graph; the stored set is the minimum-byte set from
+    which the backward can recompute the rest under ``remat`` (module docstring).
+
+    Args:
+        graph: a traced training step (``autopar.trace(step, *args)``); a graph without
+            a backward phase stores nothing.
+        remat: ``"none"``, ``"selective"`` (recompute the attention core) or ``"full"``
+            (checkpoint every layer: store only what enters it).
+        fusion: recompute elementwise values inside fused backward kernels (what XLA and
+            Megatron's kernels do). ``False`` keeps every value the linearised jaxpr
+            reads, the literal JAX residuals.
+
+    Returns:
+        An :class:`ActivationMemory` with per-layer and outside bytes.
+
+    Raises:
+        InvalidOptionError: ``remat`` is not one of ``"none"``, ``"selective"``,
+            ``"full"``.
+
+    Example:
+        >>> from benchmarks.models.gpt import GPTConfig, make_train_step
+        >>> cfg = GPTConfig(512, 128, 128, 2, 4, dropout=0.1)
+        >>> g = trace(*make_train_step(cfg, 2)[:1], *make_train_step(cfg, 2)[1])
+        >>> activation_memory(g, "full").layer_bytes[0] // (128 * 2 * 128)
+        2
+    """
+    if remat not in REMAT_POLICIES:
+        raise InvalidOptionError(f"remat={remat!r} is not a policy; use one of {REMAT_POLICIES}")
+    prog = _Program(graph)
+    act = prog.activation_flags()
+    free = [val.free or not act[k] for k, val in enumerate(prog.values)]
+    banned = []
+    for val in prog.values:
+        prods = [op for op in val.producers if not op.alias]
+        banned.append(bool(prods) and (not fusion or prods[0].primitive not in _RECOMPUTABLE))
+    unsaveable: set[int] = set()
+    if remat == "selective":
+        unsaveable = _attention_core(prog, act)
+    elif remat == "full":
+        unsaveable, entering = _layer_checkpoints(prog)
+        banned = [b or k in entering for k, b in enumerate(banned)]
+    if unsaveable:
+        banned = [b and k not in unsaveable for k, b in enumerate(banned)]
+    stored = _min_cut(prog, free, banned, unsaveable)
+
+    layer_bytes = [0] * len(graph.layers)
+    outside = 0
+    by_prim: dict[str, int] = defaultdict(int)
+    by_dtype: dict[str, int] = defaultdict(int)
+    saved = []
+    for k in stored:
+        val = prog.values[k]
+        layers = prog.charge(k)
+        sv = SavedValue(
+            val.scope, val.vid, val.tensor, val.copies, prog.producer_primitive(k),
+            val.name_stack, layers,
+        )  # fmt: skip
+        saved.append(sv)
+        nbytes = sv.nbytes
+        by_prim[sv.primitive] += nbytes
+        by_dtype[val.tensor.dtype] += nbytes
+        if not layers:
+            outside += nbytes
+            continue
+        share, rest = divmod(nbytes, len(layers))
+        for j, i in enumerate(layers):
+            layer_bytes[i] += share + (1 if j < rest else 0)
+    saved.sort(key=lambda s: (-s.nbytes, s.scope, s.value))
+    return ActivationMemory(
+        remat=remat,
+        fusion=fusion,
+        total_bytes=sum(layer_bytes) + outside,
+        layer_bytes=tuple(layer_bytes),
+        outside_bytes=outside,
+        by_primitive=dict(sorted(by_prim.items(), key=lambda kv: -kv[1])),
+        by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])),
+        saved=tuple(saved),
+    )
