@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -53,8 +52,11 @@ def main(argv=None) -> list[dict]:
         t.add_column(c, justify="right")
     for i, r in enumerate(rows):
         t.add_row(
-            str(i + 1), str(bool(r.get("cache_hit"))), f"{r['trace_s']:.3f}",
-            f"{r['plan_s']:.3f}", f"{r['lower_s']:.3f}",
+            str(i + 1),
+            str(bool(r.get("cache_hit"))),
+            f"{r['trace_s']:.3f}",
+            f"{r['plan_s']:.3f}",
+            f"{r['lower_s']:.3f}",
         )
     print(render(t))
     return rows

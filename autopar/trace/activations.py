@@ -209,7 +209,8 @@ class _Op:
     inputs: list[int]
     outputs: list[int]
     home: tuple[int, ...] | None  # layers it belongs to
-    alias: bool = False  # a loop boundary: the output *is* the input (or a slice of it)
+    alias: bool = False  # a loop boundary: the output is the input, or a slice of it
+    same: bool = False  # an alias whose two sides hold the same bytes (stacked <-> slices)
 
 
 @dataclass
@@ -223,7 +224,6 @@ class _Value:
     consumers: list[_Op] = field(default_factory=list)
     free: bool = False  # a graph input or closed-over constant
     body_input: bool = False  # a loop body's input (a layer boundary under "full")
-    const_alias: bool = False  # a loop constant inside the body: the outer value itself
     needed: bool = False  # read by a backward node
     materialised: bool = False  # read by a backward node that cannot fuse it
 
@@ -313,11 +313,13 @@ class _Program:
             self._define(body, c, inner, free=True)
         carry_in: list[int] = []
         for j, (v, bin_) in enumerate(zip(node.inputs, body.inputs, strict=True)):
-            k = self._define(body, bin_.value, inner, body_input=True, const_alias=j < nc)
+            k = self._define(body, bin_.value, inner, body_input=True)
             self.values[k].name_stack = node.name_stack
             outer = self._key(graph, v)
             if outer is not None:
-                self._add(_Op("scan", [outer], [k], home, alias=True))
+                # consts and xs are the outer tensor itself / its slices; a carry is not
+                same = not nc <= j < nc + nk
+                self._add(_Op("scan", [outer], [k], home, alias=True, same=same))
             if nc <= j < nc + nk:
                 carry_in.append(k)
         self._walk(body, inner, home)
@@ -327,7 +329,7 @@ class _Program:
             self.values[outer].name_stack = node.name_stack
             if inside is None:
                 continue
-            self._add(_Op("scan", [inside], [outer], home, alias=True))
+            self._add(_Op("scan", [inside], [outer], home, alias=True, same=t >= nk))
             if t < nk:  # loop-carried: iteration i's output is iteration i + 1's input
                 self._add(_Op("scan", [inside], [carry_in[t]], home, alias=True))
 
@@ -475,11 +477,10 @@ def _layer_checkpoints(prog: _Program) -> tuple[set[int], set[int]]:
         if val.free or not val.producers:
             continue
         if val.body_input:
-            if not val.const_alias:  # a loop constant is the outer value, stored there
-                entering.add(k)
+            entering.add(k)
             continue
         home = val.producers[0].home
-        if any(op.home is not None and op.home != home for op in val.consumers):
+        if any(op.home != home for op in val.consumers):
             entering.add(k)
         elif home is not None and all(
             op.home == home and not _leaves_body(prog, op) for op in val.consumers
@@ -502,26 +503,70 @@ def _leaves_body(prog: _Program, op: _Op) -> bool:
 # ----------------------------------------------------------------------------- the cut
 
 
+def _classes(prog: _Program) -> list[int]:
+    """A representative per value: a scan's stacked output and its per-iteration body
+    value (likewise stacked inputs and their slices, loop constants and the outer value)
+    are one tensor, stored once; the representative is the innermost (best named) one."""
+    parent = list(range(len(prog.values)))
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for op in prog.ops:
+        if op.same:
+            a, b = find(op.inputs[0]), find(op.outputs[0])
+            if a != b:
+                # keep the deeper scope as the root
+                if len(prog.values[a].scope) >= len(prog.values[b].scope):
+                    parent[b] = a
+                else:
+                    parent[a] = b
+    return [find(k) for k in range(len(parent))]
+
+
 def _min_cut(
     prog: _Program, free: list[bool], banned: list[bool], unsaveable: set[int]
-) -> list[int]:
-    """Indices of the values to store (minimum bytes), see the module docstring."""
+) -> list[tuple[int, int]]:
+    """``(representative, bytes)`` of the values to store (minimum bytes; module
+    docstring)."""
     from ortools.graph.python import max_flow
 
     n = len(prog.values)
-    cap = np.zeros(n, dtype=np.int64)
+    cls = _classes(prog)
+    nbytes = np.zeros(n, dtype=np.int64)
+    is_free = np.zeros(n, dtype=bool)
+    no_save = np.zeros(n, dtype=bool)
+    pinned = np.zeros(n, dtype=bool)
+    needed = np.zeros(n, dtype=bool)
+    direct = np.zeros(n, dtype=bool)
+    produced = np.zeros(n, dtype=bool)
+    big = np.iinfo(np.int64).max
+    nbytes[:] = big
     for k, val in enumerate(prog.values):
-        if free[k]:
-            continue
-        tie = 0 if val.needed else 1
-        cap[k] = val.tensor.nbytes * val.copies * _SCALE + tie
-    # A loop constant inside a body is the outer value: store that one, not L copies.
-    inf_flags = np.array(
-        [not free[k] and (k in unsaveable or v.const_alias) for k, v in enumerate(prog.values)],
-        dtype=bool,
-    )
-    inf = int(cap[~inf_flags].sum()) + 1
-    cap[inf_flags] = inf
+        c = cls[k]
+        # a loop constant inside the body counts once (as the outer value), not L times
+        b = val.tensor.nbytes * val.copies
+        nbytes[c] = min(nbytes[c], b)
+        is_free[c] |= free[k]
+        no_save[c] |= k in unsaveable
+        pinned[c] |= banned[k] or (val.materialised and k not in unsaveable)
+        needed[c] |= val.needed
+        direct[c] |= val.needed
+        produced[c] |= any(not op.same for op in val.producers)
+    roots = sorted(set(cls))
+    cap = np.zeros(n, dtype=np.int64)
+    for c in roots:
+        if not is_free[c]:
+            # tie-break: among cuts of equal bytes prefer values the backward reads
+            cap[c] = int(nbytes[c]) * _SCALE + (0 if direct[c] else 1)
+    saveable = [c for c in roots if not is_free[c] and not no_save[c]]
+    inf = int(cap[saveable].sum()) + 1
+    for c in roots:
+        if no_save[c] and not is_free[c]:
+            cap[c] = inf
     tails: list[int] = []
     heads: list[int] = []
     caps: list[int] = []
@@ -532,17 +577,19 @@ def _min_cut(
         caps.append(c)
 
     source, sink = 2 * n, 2 * n + 1
-    for k, val in enumerate(prog.values):
-        arc(2 * k, 2 * k + 1, int(cap[k]))
-        pinned = banned[k] or (val.materialised and k not in unsaveable)
-        if pinned or not val.producers:
-            arc(source, 2 * k, inf)
-        if val.needed:
-            arc(2 * k + 1, sink, inf)
+    for c in roots:
+        arc(2 * c, 2 * c + 1, int(cap[c]))
+        if (pinned[c] and not no_save[c]) or not produced[c] or is_free[c]:
+            arc(source, 2 * c, inf)
+        if needed[c]:
+            arc(2 * c + 1, sink, inf)
     for op in prog.ops:
+        if op.same:
+            continue
         for i in op.inputs:
             for o in op.outputs:
-                arc(2 * i + 1, 2 * o, inf)
+                if cls[i] != cls[o]:
+                    arc(2 * cls[i] + 1, 2 * cls[o], inf)
     solver = max_flow.SimpleMaxFlow()
     solver.add_arcs_with_capacity(
         np.array(tails, dtype=np.int32), np.array(heads, dtype=np.int32), np.array(caps)
@@ -552,12 +599,16 @@ def _min_cut(
         raise InvalidOptionError(f"activation min-cut failed with status {status}")
     if solver.optimal_flow() >= inf:  # pragma: no cover - every value reaches a free one
         raise InvalidOptionError(
-            "no finite set of stored values serves the backward pass; a value the backward "
-            "reads cannot be recomputed and may not be stored (report this graph)"
+            "no finite set of stored values serves the backward pass: a value the backward "
+            "reads can neither be recomputed nor stored under this remat policy"
         )
     side = np.zeros(2 * n + 2, dtype=bool)
     side[np.asarray(solver.get_source_side_min_cut(), dtype=np.int64)] = True
-    return [k for k in range(n) if side[2 * k] and not side[2 * k + 1] and not free[k]]
+    return [
+        (c, int(nbytes[c]))
+        for c in roots
+        if side[2 * c] and not side[2 * c + 1] and not is_free[c]
+    ]
 
 
 def activation_memory(
@@ -616,11 +667,12 @@ def activation_memory(
     by_prim: dict[str, int] = defaultdict(int)
     by_dtype: dict[str, int] = defaultdict(int)
     saved = []
-    for k in stored:
+    for k, nbytes in stored:
         val = prog.values[k]
         layers = prog.charge(k)
+        copies = nbytes // val.tensor.nbytes if val.tensor.nbytes else val.copies
         sv = SavedValue(
-            val.scope, val.vid, val.tensor, val.copies, prog.producer_primitive(k),
+            val.scope, val.vid, val.tensor, copies, prog.producer_primitive(k),
             val.name_stack, layers,
         )  # fmt: skip
         saved.append(sv)

@@ -34,7 +34,9 @@ def test_decorated_step_matches_single_device(mlp_step, tmp_path):
     step, (state, batch) = mlp_step
     ref, ref_state = _single_device_losses(step, state, batch, 3)
     f = autopar.autoparallel(
-        step, cluster="cpu-sim", options=autopar.SearchOptions(mesh={"data": 4, "tensor": 2}),
+        step,
+        cluster="cpu-sim",
+        options=autopar.SearchOptions(mesh={"data": 4, "tensor": 2}),
         cache=str(tmp_path),
     )
     s, losses = state, []
@@ -103,8 +105,10 @@ def test_donation_only_when_asked(mlp_step):
 def test_gpt_lower_exposes_hlo_and_memory():
     step, (state, batch) = gpt.make_train_step(gpt.GPTConfig.preset("tiny"), 8, abstract=False)
     f = autopar.autoparallel(
-        step, cluster="dgx-a100-80gb",
-        options=autopar.SearchOptions(mesh={"data": 2, "tensor": 4}), cache=False,
+        step,
+        cluster="dgx-a100-80gb",
+        options=autopar.SearchOptions(mesh={"data": 2, "tensor": 4}),
+        cache=False,
     )
     lowered = f.lower(state, batch)
     assert "sharding" in lowered.hlo_text()

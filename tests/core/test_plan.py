@@ -26,7 +26,9 @@ def _plan() -> Plan:
         mesh={"data": 2, "tensor": 4},
         inputs=(
             TensorSharding("state/params/w", (16, 32), "float32", (None, "tensor"), "param"),
-            TensorSharding("state/opt_state/mu/w", (16, 32), "float32", (("data",), "tensor"), "opt_state"),
+            TensorSharding(
+                "state/opt_state/mu/w", (16, 32), "float32", (("data",), "tensor"), "opt_state"
+            ),
             TensorSharding("batch/x", (8, 16), "float32", ("data", None), "batch"),
         ),
         outputs=(TensorSharding("loss", (), "float32", (), "other"),),
@@ -42,7 +44,9 @@ def _plan() -> Plan:
             exposed_communication_s=0.05,
             memory_bytes_per_device=1.5e9,
             memory_breakdown={"params": 1e9, "activations": 5e8},
-            collectives=(PredictedCollective("all-reduce", ("tensor",), 4096.0, 24, 1e-3, "h_*/out"),),
+            collectives=(
+                PredictedCollective("all-reduce", ("tensor",), 4096.0, 24, 1e-3, "h_*/out"),
+            ),
             objective=0.24,
         ),
         cluster={"name": "dgx-a100-80gb", "nodes": 1},

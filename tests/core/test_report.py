@@ -37,5 +37,11 @@ def test_write_report(tmp_path):
     out = tmp_path / "rep"
     index = write_report(_plan(), str(out), sections={"verify": "all good"})
     assert os.path.basename(index) == "index.html"
-    assert sorted(os.listdir(out)) == ["index.html", "memory.png", "plan.json", "summary.txt", "time.png"]
+    assert sorted(os.listdir(out)) == [
+        "index.html",
+        "memory.png",
+        "plan.json",
+        "summary.txt",
+        "time.png",
+    ]
     assert "all good" in (out / "index.html").read_text()
