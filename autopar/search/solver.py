@@ -1,28 +1,47 @@
-"""Solve a :class:`ShardingProblem` exactly: HiGHS MIP (via SciPy) or OR-Tools CP-SAT.
+"""Solve a :class:`ShardingProblem` exactly: OR-Tools CP-SAT (default) or HiGHS.
 
 Formulation (one boolean ``x[n, s]`` per node ``n`` and strategy ``s``):
 
-* ``sum_s x[n, s] == 1`` for every node; aliased nodes share one set of booleans.
-* every edge ``e`` gets pair variables ``y[e, i, j]`` over (producer layout class ``i``,
+* ``sum_s x[n, s] == 1`` for every node (CP-SAT ``AddExactlyOne``); aliased nodes (a
+  parameter and its optimizer state, the same op in identical layers) share one set of
+  booleans, so tied layers are decided once.
+* every edge ``e`` gets pair booleans ``y[e, i, j]`` over (producer layout class ``i``,
   consumer layout class ``j``) with the local-polytope marginalisation
   ``sum_j y[e, i, j] == a[e, i]`` and ``sum_i y[e, i, j] == b[e, j]``, where ``a[e, i]``
   is the sum of the producer's ``x`` whose strategies give the value in layout ``i`` (and
-  ``b`` the same for the consumer). With integral ``x`` the ``y`` are integral, so they
-  stay continuous; the LP relaxation is nearly tight, which is why the default backend is
-  an LP-based MIP solver (HiGHS, through ``scipy.optimize.milp``, which loads the model
-  from sparse arrays; OR-Tools' own HiGHS wrapper spends ~90 us per column loading it):
-  on GPT problems it proves the optimum in seconds where CP-SAT (``backend="cpsat"``, on a
-  clause formulation ``y >= a + b - 1``) is still 2x off after 30 s.
-* objective: ``sum c[n, s] x[n, s] + sum r[e, i, j] y[e, i, j]``. Each edge matrix is
-  first reduced by its row minima (moved onto the producer's strategy costs) and then its
-  column minima (onto the consumer's): exact, since one row and one column are chosen.
+  ``b`` the same for the consumer). Its LP relaxation is nearly tight on sharding
+  problems, which is what CP-SAT's ``max_lp`` worker exploits to prove optimality fast.
+  (Measured on GPT-2 small: the clause form ``y >= a + b - 1`` with pair booleans only for
+  non-zero costs left CP-SAT 20% off after 30 s; row/column cover inequalities over the
+  non-zero pairs only proved the optimum in ~4 s; the full marginalisation in ~1.5 s.)
+* objective: ``sum c[n, s] x[n, s] + sum r[e, i, j] y[e, i, j]``, costs scaled to
+  integers (the largest coefficient becomes 1e7).
 * memory: ``constant + sum b[n, s] x[n, s] <= limit`` for every memory constraint.
 
-Before building, edges between aliased nodes become node costs, edges whose producer or
-consumer has a single layout class become node costs, and parallel edges are merged.
-Costs are scaled so the largest coefficient is 1e7 (rounded to integers for CP-SAT);
-memory is scaled the same way with coefficients rounded up (a choice the solver accepts
-never exceeds the bound). The reported objective is recomputed exactly from the choice.
+Presolve, shared by both backends and exact:
+
+1. aliased nodes merge into one representative; edges inside an alias group, edges whose
+   producer or consumer has a single layout class, and parallel edges are folded;
+2. every edge matrix is reduced by its row minima (moved onto the producer's strategy
+   costs) and then its column minima (onto the consumer's): exact, since one row and one
+   column are chosen;
+3. memory constraints that no choice can violate are dropped;
+4. dead-end elimination (Goldstein's criterion, from protein design): strategy ``s`` of a
+   node goes when another strategy ``t`` of that node is no worse whatever its neighbours
+   choose (``c_t - c_s + sum_e max_j (r_e[t, j] - r_e[s, j]) <= 0``) and uses no more
+   memory in any remaining constraint; repeated to a fixpoint, then edges are restricted
+   to the surviving layouts and reduced again.
+
+The starting point CP-SAT gets (``AddHint``, on every boolean) is the greedy choice
+(cheapest strategy per node) improved by iterated conditional modes: each node in turn
+moves to its best strategy given its neighbours, until nothing improves.
+
+CP-SAT runs ``num_workers`` workers: the first is ``max_lp`` (the full LP relaxation at
+every node: the bound that closes these problems), the others ``core`` and the default
+portfolio (first-solution heuristics and LNS) in the interleaved slot. Probing is off:
+on these models it spends seconds adding millions of binary clauses that help nothing.
+
+The reported objective is recomputed exactly from the choice in seconds.
 
 Example:
     >>> solve(problem, time_limit_s=10).choice        # doctest: +SKIP
@@ -33,25 +52,55 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from autopar.errors import SolveShardingError
 from autopar.search.problem import ShardingProblem, ShardingSolution
 
-_MAX_COEF = 1e7  # largest scaled objective coefficient
-_VERBOSE = False  # solver logs to stdout (debugging)
+_MAX_COEF = 1e7  # largest scaled objective / memory coefficient
+_VERBOSE = False  # solver logs (debugging only: they go to stdout)
+_DEE_ROUNDS = 20
+_PAIR_BLOCK = 1 << 22  # elements per block when comparing layout classes pairwise
+BACKENDS: tuple[str, ...] = ("cpsat", "highs")
+_SUBSOLVERS = ["max_lp", "core"]
+_EXTRA: dict = {}
 
 
 @dataclass
 class _Reduced:
-    """The problem after aliasing, presolve and edge merging (solver-internal)."""
+    """The problem after aliasing, edge folding and merging (solver-internal)."""
 
     rep: list[int]  # node -> representative
     reps: list[int]  # representatives
     unary: dict[int, list[float]]  # representative -> cost per strategy
     # merged edges between distinct representatives: (src, dst, src_cls, dst_cls, matrix)
     edges: list[tuple[int, int, list[int], list[int], list[list[float]]]]
+
+
+@dataclass
+class _Edge:
+    src: int
+    dst: int
+    src_cls: np.ndarray  # class per kept strategy of src
+    dst_cls: np.ndarray  # class per kept strategy of dst
+    mat: np.ndarray  # (classes of src) x (classes of dst), >= 0, a zero in every row/column
+
+
+@dataclass
+class _Compact:
+    """The reduced problem over the strategies that survived presolve."""
+
+    red: _Reduced
+    keep: dict[int, np.ndarray]  # rep -> original strategy indices still in play
+    unary: dict[int, np.ndarray]  # rep -> cost per kept strategy (minimum 0)
+    offset: float  # cost moved out of the variables (seconds)
+    edges: list[_Edge]
+    memory: list[tuple[float, dict[int, np.ndarray]]]  # (bytes, rep -> bytes per kept)
+    stats: dict[str, int] = field(default_factory=dict)
 
 
 def _find(parent: list[int], a: int) -> int:
@@ -132,11 +181,216 @@ def _reduce(problem: ShardingProblem) -> _Reduced:
     return _Reduced(rep, reps, unary, edges)
 
 
+# ----------------------------------------------------------------------------- presolve
+
+
+def _memory_by_rep(problem: ShardingProblem, red: _Reduced) -> list[tuple[float, dict]]:
+    """Every memory constraint as (constant bytes, rep -> bytes per strategy)."""
+    rows = []
+    for m in problem.memory:
+        terms: dict[int, np.ndarray] = {}
+        for n, bs in m.terms:
+            r = red.rep[n]
+            vec = terms.get(r)
+            if vec is None:
+                terms[r] = np.asarray(bs, dtype=np.float64).copy()
+            else:
+                vec += np.asarray(bs, dtype=np.float64)
+        rows.append((float(m.constant), terms))
+    return rows
+
+
+def _can_bind(row: tuple[float, dict], limit: float) -> bool:
+    const, terms = row
+    return const + sum(float(v.max()) for v in terms.values()) > limit
+
+
+def _pair_max(m: np.ndarray) -> np.ndarray:
+    """``E[a, b] = max_j (m[b, j] - m[a, j])`` for the rows of ``m``: how much worse
+    switching from row ``a`` to row ``b`` can be, whatever column is chosen."""
+    k, c = m.shape
+    out = np.empty((k, k))
+    block = max(1, _PAIR_BLOCK // max(1, k * c))
+    for lo in range(0, k, block):
+        hi = min(k, lo + block)
+        out[lo:hi] = (m[None, :, :] - m[lo:hi, None, :]).max(axis=2)
+    return out
+
+
+def _dead_end_elimination(
+    red: _Reduced, memory: list[tuple[float, dict]], tol: float
+) -> dict[int, np.ndarray]:
+    """Alive mask per representative after Goldstein dead-end elimination to a fixpoint.
+
+    Strategy ``s`` is eliminated by a surviving ``t`` of the same node when
+    ``c_t - c_s + sum_e max_j (M_e[t, j] - M_e[s, j]) <= tol`` (``j`` over the
+    neighbour's surviving layouts) and ``t`` needs no more bytes than ``s`` in every
+    memory constraint. Eliminations are sequential, each checked against the survivors
+    of the moment, so an optimal choice always survives (swap ``s`` for ``t`` in it).
+    """
+    unary = {r: np.asarray(red.unary[r], dtype=np.float64) for r in red.reps}
+    alive = {r: np.ones(len(unary[r]), dtype=bool) for r in red.reps}
+    adj: dict[int, list] = {r: [] for r in red.reps}
+    for u, v, sc, dc, mat in red.edges:
+        m = np.asarray(mat, dtype=np.float64)
+        sc_a, dc_a = np.asarray(sc), np.asarray(dc)
+        adj[u].append((sc_a, m, v, dc_a))
+        adj[v].append((dc_a, m.T.copy(), u, sc_a))
+    mem: dict[int, list[np.ndarray]] = {r: [] for r in red.reps}
+    for _, terms in memory:
+        for r, vec in terms.items():
+            if vec.max() > vec.min():
+                mem[r].append(vec)
+    for _ in range(_DEE_ROUNDS):
+        changed = False
+        for r in red.reps:
+            al = np.flatnonzero(alive[r])
+            if len(al) <= 1:
+                continue
+            c = unary[r][al]
+            d = c[None, :] - c[:, None]  # d[s, t] = c_t - c_s
+            for cls, m, other, ocls in adj[r]:
+                cols = np.unique(ocls[alive[other]])
+                rows, inv = np.unique(cls[al], return_inverse=True)
+                e = _pair_max(m[np.ix_(rows, cols)])
+                d += e[np.ix_(inv, inv)]
+            ok = d <= tol
+            for vec in mem[r]:
+                b = vec[al]
+                ok &= b[None, :] <= b[:, None]
+            np.fill_diagonal(ok, False)
+            if not ok.any():
+                continue
+            keep = np.ones(len(al), dtype=bool)
+            for s in np.argsort(-c, kind="stable"):  # the dearest go first
+                if (ok[s] & keep).any():
+                    keep[s] = False
+            if not keep.all():
+                alive[r][al[~keep]] = False
+                changed = True
+        if not changed:
+            break
+    return alive
+
+
+def _compact(
+    red: _Reduced,
+    alive: dict[int, np.ndarray],
+    memory: list[tuple[float, dict]],
+) -> _Compact:
+    """Restrict the reduced problem to the surviving strategies and reduce edges again."""
+    keep = {r: np.flatnonzero(alive[r]) for r in red.reps}
+    unary = {r: np.asarray(red.unary[r], dtype=np.float64)[keep[r]] for r in red.reps}
+    edges: list[_Edge] = []
+    for u, v, sc, dc, mat in red.edges:
+        src_full = np.asarray(sc)[keep[u]]
+        dst_full = np.asarray(dc)[keep[v]]
+        rows, src_cls = np.unique(src_full, return_inverse=True)
+        cols, dst_cls = np.unique(dst_full, return_inverse=True)
+        m = np.asarray(mat, dtype=np.float64)[np.ix_(rows, cols)]
+        if m.shape[0] == 1 or m.shape[1] == 1:
+            unary[u] += m.min(axis=1)[src_cls]
+            unary[v] += (m - m.min(axis=1, keepdims=True)).min(axis=0)[dst_cls]
+            continue
+        lo = m.min(axis=1, keepdims=True)
+        unary[u] += lo[:, 0][src_cls]
+        m = m - lo
+        lo = m.min(axis=0, keepdims=True)
+        unary[v] += lo[0][dst_cls]
+        m = m - lo
+        if (m > 0).any():
+            edges.append(_Edge(u, v, src_cls, dst_cls, m))
+    offset = 0.0
+    for r in red.reps:
+        lo = float(unary[r].min())
+        offset += lo
+        unary[r] = unary[r] - lo
+    mem = [(const, {r: vec[keep[r]] for r, vec in terms.items()}) for const, terms in memory]
+    stats = {
+        "strategies": sum(len(red.unary[r]) for r in red.reps),
+        "kept": sum(len(k) for k in keep.values()),
+        "edges": len(edges),
+        "pairs": sum(e.mat.size for e in edges),
+    }
+    return _Compact(red, keep, unary, offset, edges, mem, stats)
+
+
+def _presolve(problem: ShardingProblem, minimize: str, eliminate: bool = True) -> _Compact:
+    red = _reduce(problem)
+    memory = _memory_by_rep(problem, red)
+    if minimize == "cost":
+        limit = problem.memory_limit
+        memory = [] if limit is None else [m for m in memory if _can_bind(m, limit)]
+    if minimize == "cost" and eliminate:
+        top = max((abs(c) for u in red.unary.values() for c in u), default=0.0)
+        top = max([top] + [c for *_, mat in red.edges for row in mat for c in row])
+        alive = _dead_end_elimination(red, memory, 1e-12 * top)
+    else:
+        alive = {r: np.ones(len(red.unary[r]), dtype=bool) for r in red.reps}
+    return _compact(red, alive, memory)
+
+
+# ----------------------------------------------------------------------------- heuristics
+
+
+def _local_search(cp: _Compact, start: dict[int, int], max_passes: int = 50) -> dict[int, int]:
+    """Iterated conditional modes: each node in turn takes its best strategy given its
+    neighbours' current ones, until a full pass changes nothing (memory ignored)."""
+    adj: dict[int, list] = {r: [] for r in cp.keep}
+    for e in cp.edges:
+        adj[e.src].append((e.src_cls, e.mat, e.dst, e.dst_cls))
+        adj[e.dst].append((e.dst_cls, e.mat.T, e.src, e.src_cls))
+    choice = dict(start)
+    for _ in range(max_passes):
+        changed = False
+        for r, u in cp.unary.items():
+            if len(u) == 1:
+                continue
+            local = u.copy()
+            for cls, m, other, ocls in adj[r]:
+                local += m[cls, ocls[choice[other]]]
+            best = int(np.argmin(local))
+            if local[best] < local[choice[r]] - 1e-15:
+                choice[r] = best
+                changed = True
+        if not changed:
+            break
+    return choice
+
+
+def _start(cp: _Compact, hint: Sequence[int] | None) -> dict[int, int]:
+    """Kept-strategy index per representative: the hint where it survived presolve, else
+    the cheapest; then improved by local search."""
+    out: dict[int, int] = {}
+    for r, u in cp.unary.items():
+        s = int(np.argmin(u))
+        if hint is not None and r < len(hint):
+            hit = np.flatnonzero(cp.keep[r] == hint[r])
+            if len(hit):
+                s = int(hit[0])
+        out[r] = s
+    return _local_search(cp, out)
+
+
+def greedy_choice(problem: ShardingProblem) -> tuple[int, ...]:
+    """Cheapest strategy per node by its own cost (ties: the first); a solver hint."""
+    out = []
+    for n in problem.nodes:
+        out.append(min(range(n.num_strategies), key=lambda s: n.costs[s]))
+    for group in problem.aliases:
+        for a in group[1:]:
+            out[a] = out[group[0]]
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- entry
+
+
 def solve(
     problem: ShardingProblem,
     time_limit_s: float = 30.0,
     *,
-    backend: str = "highs",
+    backend: str = "cpsat",
     num_workers: int = 2,
     hint: Sequence[int] | None = None,
     minimize: str = "cost",
@@ -145,13 +399,13 @@ def solve(
 
     Args:
         problem: the problem.
-        time_limit_s: wall-clock limit; on expiry the best solution found is returned
-            with status ``"feasible"``.
-        backend: ``"highs"`` (default: the HiGHS MIP solver through
-            ``scipy.optimize.milp``, on the local-polytope formulation whose LP relaxation
-            is nearly tight for these problems) or ``"cpsat"`` (OR-Tools CP-SAT).
-        num_workers: CP-SAT search workers (HiGHS runs single-threaded).
-        hint: a starting choice for CP-SAT (default: the greedy one); need not be feasible.
+        time_limit_s: wall-clock limit of the solver; on expiry the best solution found is
+            returned with status ``"feasible"``.
+        backend: ``"cpsat"`` (default: OR-Tools CP-SAT) or ``"highs"`` (the HiGHS MIP
+            solver through ``scipy.optimize.milp``, on the same formulation with
+            continuous pair variables; a cross-check).
+        num_workers: CP-SAT workers (HiGHS runs single-threaded).
+        hint: a starting choice (default: greedy + local search); need not be feasible.
         minimize: ``"cost"`` (the objective) or ``"memory"`` (the largest memory
             constraint, ignoring ``memory_limit``: the smallest achievable footprint).
 
@@ -169,141 +423,228 @@ def solve(
         >>> sol.choice, sol.status
         ((1,), 'optimal')
     """
-    if backend not in ("highs", "cpsat"):
-        raise ValueError(f"backend={backend!r}; choose 'highs' or 'cpsat'")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
     if minimize not in ("cost", "memory"):
         raise ValueError(f"minimize={minimize!r}; choose 'cost' or 'memory'")
     t0 = time.perf_counter()
-    red = _reduce(problem)
-    start = tuple(hint) if hint is not None else greedy_choice(problem)
+    if not problem.nodes:
+        return ShardingSolution((), 0.0, "optimal", 0.0)
+    cp = _presolve(problem, minimize)
+    start = _start(cp, hint)
+    remaining = max(0.01, time_limit_s - (time.perf_counter() - t0))
     if backend == "cpsat":
-        rep_choice, status, bound = _solve_cpsat(
-            problem, red, time_limit_s, num_workers, start, minimize
-        )
+        picked, status, bound = _solve_cpsat(problem, cp, remaining, num_workers, start, minimize)
     else:
-        rep_choice, status, bound = _solve_highs(
-            problem, red, time_limit_s, num_workers, start, minimize
-        )
+        picked, status, bound = _solve_highs(problem, cp, remaining, minimize)
     elapsed = time.perf_counter() - t0
-    if rep_choice is None:
+    if picked is None:
         return ShardingSolution((), math.inf, status, elapsed)
-    choice = tuple(rep_choice[red.rep[i]] for i in range(len(problem.nodes)))
+    rep_choice = {r: int(cp.keep[r][s]) for r, s in picked.items()}
+    choice = tuple(rep_choice[cp.red.rep[i]] for i in range(len(problem.nodes)))
     return ShardingSolution(
         choice, problem.objective(choice), status, elapsed, problem.memory_usage(choice), bound
     )
 
 
-def _memory_rows(problem: ShardingProblem, red: _Reduced) -> tuple[float, list]:
-    """Memory constraints in integer-ish units: (unit, [(const, {(rep, s): units})])."""
-    top = max(
-        [abs(m.constant) for m in problem.memory]
-        + [b for m in problem.memory for _, bs in m.terms for b in bs]
-        + [problem.memory_limit or 0.0, 1.0]
-    )
-    unit = top / _MAX_COEF
-    rows = []
-    for m in problem.memory:
-        terms: dict[tuple[int, int], float] = {}
-        for n, bs in m.terms:
-            r = red.rep[n]
-            for s, b in enumerate(bs):
-                if b:
-                    terms[(r, s)] = terms.get((r, s), 0.0) + b
-        rows.append((m.constant / unit, {k: math.ceil(b / unit) for k, b in terms.items()}))
-    return unit, rows
+# ----------------------------------------------------------------------------- scaling
 
 
-def _objective_scale(red: _Reduced) -> float:
-    coefs = [c - min(u) for u in red.unary.values() for c in u]
-    coefs += [c for *_, mat in red.edges for row in mat for c in row]
-    top = max(coefs, default=0.0)
+def _objective_scale(cp: _Compact) -> float:
+    top = max((float(u.max()) for u in cp.unary.values() if len(u)), default=0.0)
+    top = max([top] + [float(e.mat.max()) for e in cp.edges])
     return _MAX_COEF / top if top > 0 else 1.0
 
 
-def _solve_highs(problem, red, time_limit_s, threads, start, minimize):
-    import numpy as np
+def _memory_unit(cp: _Compact, limit: float | None) -> float:
+    top = max(
+        [abs(c) for c, _ in cp.memory]
+        + [float(v.max()) for _, t in cp.memory for v in t.values() if len(v)]
+        + [limit or 0.0, 1.0]
+    )
+    return top / _MAX_COEF
+
+
+# ----------------------------------------------------------------------------- CP-SAT
+
+
+def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
+    from ortools.sat.python import cp_model
+
+    model = cp_model.CpModel()
+    x: dict[int, list] = {}
+    for r, u in cp.unary.items():
+        x[r] = [model.new_bool_var("") for _ in range(len(u))]
+        model.add_exactly_one(x[r])
+    scale = _objective_scale(cp)
+    obj_vars: list = []
+    obj_coefs: list[int] = []
+    for r, u in cp.unary.items():
+        for s, c in enumerate(u):
+            w = round(float(c) * scale)
+            if w:
+                obj_vars.append(x[r][s])
+                obj_coefs.append(w)
+    for e in cp.edges:
+        n_rows, n_cols = e.mat.shape
+        a: list[list] = [[] for _ in range(n_rows)]
+        b: list[list] = [[] for _ in range(n_cols)]
+        for s, k in enumerate(e.src_cls):
+            a[k].append(x[e.src][s])
+        for s, k in enumerate(e.dst_cls):
+            b[k].append(x[e.dst][s])
+        y = [[model.new_bool_var("") for _ in range(n_cols)] for _ in range(n_rows)]
+        for i in range(n_rows):
+            model.add(cp_model.LinearExpr.sum(y[i]) == cp_model.LinearExpr.sum(a[i]))
+        for j in range(n_cols):
+            col = [y[i][j] for i in range(n_rows)]
+            model.add(cp_model.LinearExpr.sum(col) == cp_model.LinearExpr.sum(b[j]))
+        w = np.rint(e.mat * scale).astype(np.int64)
+        for i, j in zip(*np.nonzero(w), strict=True):
+            obj_vars.append(y[i][j])
+            obj_coefs.append(int(w[i, j]))
+    if cp.memory:
+        unit = _memory_unit(cp, problem.memory_limit)
+        peak = None
+        if minimize == "memory":
+            total = sum(abs(c) + sum(float(v.max()) for v in t.values()) for c, t in cp.memory)
+            peak = model.new_int_var(0, int(total / unit) + 2, "peak")
+        for const, terms in cp.memory:
+            vs, cs = [], []
+            for r, vec in terms.items():
+                for s, bts in enumerate(vec):
+                    k = math.ceil(bts / unit)
+                    if k:
+                        vs.append(x[r][s])
+                        cs.append(k)
+            expr = cp_model.LinearExpr.weighted_sum(vs, cs)
+            if peak is not None:
+                model.add(expr + math.ceil(const / unit) <= peak)
+            elif problem.memory_limit is not None:
+                model.add(expr <= math.floor(problem.memory_limit / unit - const / unit))
+        if peak is not None:
+            model.minimize(peak)
+    if minimize == "cost":
+        model.minimize(cp_model.LinearExpr.weighted_sum(obj_vars, obj_coefs))
+    # Hint the node booleans only: propagation fixes every pair boolean from them.
+    hint = model.proto.solution_hint
+    for r, xs in x.items():
+        hint.vars.extend(v.index for v in xs)
+        hint.values.extend(int(s == start[r]) for s in range(len(xs)))
+    solver = cp_model.CpSolver()
+    p = solver.parameters
+    p.max_time_in_seconds = float(time_limit_s)
+    p.num_workers = max(1, int(workers))
+    p.log_search_progress = _VERBOSE
+    p.cp_model_probing_level = 0
+    p.cp_model_presolve = False
+    p.subsolvers.extend(_SUBSOLVERS)
+    for k, v in _EXTRA.items():
+        setattr(p, k, v)
+    status = solver.solve(model)
+    if status == cp_model.INFEASIBLE:
+        return None, "infeasible", 0.0
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status == cp_model.MODEL_INVALID:
+            raise SolveShardingError(
+                f"CP-SAT rejected the model ({solver.status_name(status)}) of a problem of "
+                f"size {problem.size}; replay it with ShardingProblem.from_json(...) or "
+                "backend='highs'."
+            )
+        return None, "unknown", 0.0
+    picked = {r: next(s for s, v in enumerate(xs) if solver.boolean_value(v)) for r, xs in x.items()}
+    bound = 0.0
+    if minimize == "cost":
+        bound = solver.best_objective_bound / scale + cp.offset
+    return picked, "optimal" if status == cp_model.OPTIMAL else "feasible", bound
+
+
+# ----------------------------------------------------------------------------- HiGHS
+
+
+def _solve_highs(problem, cp: _Compact, time_limit_s, minimize):
     import scipy.sparse
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    scale = _objective_scale(red)
+    scale = _objective_scale(cp)
     inf = float("inf")
-    lb: list[float] = []
-    ub: list[float] = []
     obj: list[float] = []
     integral: list[int] = []
+    ub: list[float] = []
     rows_lo: list[float] = []
     rows_hi: list[float] = []
     ri: list[int] = []
     ci: list[int] = []
     vals: list[float] = []
 
-    def new_var(cost: float, binary: bool) -> int:
-        lb.append(0.0)
-        ub.append(1.0)
-        obj.append(cost)
+    def new_vars(costs, binary: bool) -> np.ndarray:
+        first = len(obj)
+        obj.extend(float(c) for c in costs)
+        ub.extend([1.0] * len(costs))
+        idx = np.arange(first, len(obj))
         if binary:
-            integral.append(len(lb) - 1)
-        return len(lb) - 1
+            integral.extend(idx.tolist())
+        return idx
 
-    def new_row(lo: float, hi: float, terms) -> None:
+    def new_row(lo: float, hi: float, cols, coefs) -> None:
         r = len(rows_lo)
         rows_lo.append(lo)
         rows_hi.append(hi)
-        for c, v in terms:
-            ri.append(r)
-            ci.append(c)
-            vals.append(v)
+        ri.extend([r] * len(cols))
+        ci.extend(int(c) for c in cols)
+        vals.extend(float(v) for v in coefs)
 
-    x: dict[int, list[int]] = {}
-    for r in red.reps:
-        u = red.unary[r]
-        lo = min(u)
-        x[r] = [new_var((c - lo) * scale if minimize == "cost" else 0.0, True) for c in u]
-        new_row(1.0, 1.0, [(v, 1.0) for v in x[r]])
-    for u, v, src_cls, dst_cls, mat in red.edges:
-        n_rows, n_cols = len(mat), len(mat[0])
+    x: dict[int, np.ndarray] = {}
+    for r, u in cp.unary.items():
+        x[r] = new_vars(u * scale if minimize == "cost" else np.zeros(len(u)), True)
+        new_row(1.0, 1.0, x[r], np.ones(len(u)))
+    for e in cp.edges:
+        n_rows, n_cols = e.mat.shape
+        costs = e.mat * scale if minimize == "cost" else np.zeros(e.mat.shape)
+        y = new_vars(costs.ravel(), False).reshape(n_rows, n_cols)
         # Local-polytope marginalisation: the pair variables of a row sum to the
         # producer's class indicator, those of a column to the consumer's.
-        y = [
-            [
-                new_var(mat[i][j] * scale if minimize == "cost" else 0.0, False)
-                for j in range(n_cols)
-            ]
-            for i in range(n_rows)
-        ]
         for i in range(n_rows):
-            terms = [(y[i][j], 1.0) for j in range(n_cols)]
-            terms += [(x[u][s], -1.0) for s, k in enumerate(src_cls) if k == i]
-            new_row(0.0, 0.0, terms)
+            members = x[e.src][e.src_cls == i]
+            new_row(0.0, 0.0, [*y[i], *members], [1.0] * n_cols + [-1.0] * len(members))
         for j in range(n_cols):
-            terms = [(y[i][j], 1.0) for i in range(n_rows)]
-            terms += [(x[v][s], -1.0) for s, k in enumerate(dst_cls) if k == j]
-            new_row(0.0, 0.0, terms)
-    if problem.memory:
-        unit, mem_rows = _memory_rows(problem, red)
+            members = x[e.dst][e.dst_cls == j]
+            new_row(0.0, 0.0, [*y[:, j], *members], [1.0] * n_rows + [-1.0] * len(members))
+    if cp.memory:
+        unit = _memory_unit(cp, problem.memory_limit)
         peak = None
         if minimize == "memory":
-            peak = new_var(1.0, False)
+            peak = int(new_vars([1.0], False)[0])
             ub[peak] = inf
-        for const, terms in mem_rows:
-            t = [(x[r][s], float(b)) for (r, s), b in terms.items()]
+        for const, terms in cp.memory:
+            cols = [c for r in terms for c in x[r]]
+            coefs = [b / unit for r in terms for b in terms[r]]
             if peak is not None:
-                new_row(-inf, -const, [*t, (peak, -1.0)])
+                new_row(-inf, -const / unit, [*cols, peak], [*coefs, -1.0])
             elif problem.memory_limit is not None:
-                new_row(-inf, problem.memory_limit / unit - const, t)
+                new_row(-inf, (problem.memory_limit - const) / unit, cols, coefs)
     matrix = scipy.sparse.csr_matrix(
         (np.asarray(vals, dtype=np.float64), (np.asarray(ri), np.asarray(ci))),
-        shape=(len(rows_lo), len(lb)),
+        shape=(len(rows_lo), len(obj)),
     )
-    integrality = np.zeros(len(lb))
+    integrality = np.zeros(len(obj))
     integrality[integral] = 1
-    result = milp(
-        np.asarray(obj),
-        integrality=integrality,
-        bounds=Bounds(np.asarray(lb), np.asarray(ub)),
-        constraints=LinearConstraint(matrix, np.asarray(rows_lo), np.asarray(rows_hi)),
-        options={"time_limit": float(time_limit_s), "disp": _VERBOSE, "mip_rel_gap": 1e-6},
-    )
+    with warnings.catch_warnings():
+        # "output_flag" is passed to HiGHS verbatim (SciPy warns it does not know it): it
+        # keeps HiGHS's banner and log off stdout whatever SciPy's defaults are.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result = milp(
+            np.asarray(obj),
+            integrality=integrality,
+            bounds=Bounds(np.zeros(len(obj)), np.asarray(ub)),
+            constraints=LinearConstraint(matrix, np.asarray(rows_lo), np.asarray(rows_hi)),
+            options={
+                "time_limit": float(time_limit_s),
+                "disp": _VERBOSE,
+                "output_flag": _VERBOSE,
+                "mip_rel_gap": 1e-6,
+            },
+        )
     # status: 0 optimal, 1 time/iteration limit, 2 infeasible, 3 unbounded, 4 other.
     if result.status == 2:
         return None, "infeasible", 0.0
@@ -315,97 +656,12 @@ def _solve_highs(problem, red, time_limit_s, threads, start, minimize):
             "with ShardingProblem.from_json(...) or backend='cpsat'."
         )
     values = np.asarray(result.x)
-    choice = {r: int(np.argmax(values[x[r]])) for r in red.reps}
+    picked = {r: int(np.argmax(values[idx])) for r, idx in x.items()}
     bound = 0.0
     dual = getattr(result, "mip_dual_bound", None)
     if minimize == "cost" and dual is not None and np.isfinite(dual):
-        bound = dual / scale + sum(min(u) for u in red.unary.values())
-    return choice, "optimal" if result.status == 0 else "feasible", bound
+        bound = dual / scale + cp.offset
+    return picked, "optimal" if result.status == 0 else "feasible", bound
 
 
-def _solve_cpsat(problem, red, time_limit_s, workers, start, minimize):
-    from ortools.sat.python import cp_model
-
-    model = cp_model.CpModel()
-    x: dict[int, list] = {}
-    for r in red.reps:
-        x[r] = [model.new_bool_var("") for _ in red.unary[r]]
-        model.add_exactly_one(x[r])
-    scale = _objective_scale(red)
-    terms = []
-    for r, u in red.unary.items():
-        lo = min(u)
-        for s, c in enumerate(u):
-            w = round((c - lo) * scale)
-            if w:
-                terms.append(w * x[r][s])
-    for u, v, src_cls, dst_cls, mat in red.edges:
-        a = _class_literals(model, x[u], src_cls, len(mat))
-        b = _class_literals(model, x[v], dst_cls, len(mat[0]))
-        for i, row in enumerate(mat):
-            for j, c in enumerate(row):
-                w = round(c * scale)
-                if w > 0:
-                    y = model.new_bool_var("")
-                    model.add_bool_or([a[i].Not(), b[j].Not(), y])
-                    terms.append(w * y)
-    if problem.memory:
-        unit, rows = _memory_rows(problem, red)
-        ub = int(sum(max(bs) for m in problem.memory for _, bs in m.terms) / unit + 1e6)
-        peak = model.new_int_var(0, ub + int(max(c for c, _ in rows)) + 1, "peak")
-        for const, row in rows:
-            expr = sum(b * x[r][s] for (r, s), b in row.items())
-            if minimize == "memory":
-                model.add(expr + math.ceil(const) <= peak)
-            elif problem.memory_limit is not None:
-                model.add(expr <= math.floor(problem.memory_limit / unit - const))
-        if minimize == "memory":
-            model.minimize(peak)
-    if minimize == "cost":
-        model.minimize(sum(terms) if terms else 0)
-    for i, s in enumerate(start):
-        r = red.rep[i]
-        if i == r and 0 <= s < len(x[r]):
-            for k, var in enumerate(x[r]):
-                model.add_hint(var, k == s)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = int(workers)
-    status = solver.solve(model)
-    if status == cp_model.INFEASIBLE:
-        return None, "infeasible", 0.0
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, "unknown", 0.0
-    choice = {
-        r: next(s for s, var in enumerate(x[r]) if solver.boolean_value(var)) for r in red.reps
-    }
-    bound = 0.0
-    if minimize == "cost":
-        bound = solver.best_objective_bound / scale + sum(min(u) for u in red.unary.values())
-    return choice, "optimal" if status == cp_model.OPTIMAL else "feasible", bound
-
-
-def _class_literals(model, xs: list, classes: list[int], count: int) -> list:
-    members: list[list] = [[] for _ in range(count)]
-    for s, c in enumerate(classes):
-        members[c].append(xs[s])
-    out = []
-    for group in members:
-        if len(group) == 1:
-            out.append(group[0])
-        else:
-            a = model.new_bool_var("")
-            model.add(sum(group) == a)
-            out.append(a)
-    return out
-
-
-def greedy_choice(problem: ShardingProblem) -> tuple[int, ...]:
-    """Cheapest strategy per node by its own cost (ties: the first); a solver hint."""
-    out = []
-    for n in problem.nodes:
-        out.append(min(range(n.num_strategies), key=lambda s: n.costs[s]))
-    for group in problem.aliases:
-        for a in group[1:]:
-            out[a] = out[group[0]]
-    return tuple(out)
+__all__ = ["BACKENDS", "greedy_choice", "solve"]

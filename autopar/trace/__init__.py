@@ -16,6 +16,7 @@ Example:
 import sys
 import types
 
+from autopar.trace.activations import ActivationMemory, SavedValue, activation_memory
 from autopar.trace.api import graph_from_jaxpr, trace
 from autopar.trace.evaluate import Hook, as_function, evaluate_inlined, hooked_body
 from autopar.trace.graph import (
@@ -31,6 +32,7 @@ from autopar.trace.graph import (
 from autopar.trace.inline import inline_jaxpr
 
 __all__ = [
+    "ActivationMemory",
     "Graph",
     "GraphInput",
     "GraphOutput",
@@ -39,7 +41,9 @@ __all__ = [
     "Layer",
     "Node",
     "Phase",
+    "SavedValue",
     "TensorInfo",
+    "activation_memory",
     "as_function",
     "evaluate_inlined",
     "graph_from_jaxpr",

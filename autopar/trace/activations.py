@@ -2,78 +2,100 @@
 
 The activations of a step are its **residuals**: values the forward pass produces and the
 backward pass reads. :func:`activation_memory` finds them in the traced :class:`Graph`
-(scan bodies included) and decides which of them are *stored* under a remat policy, then
+(scan bodies included), decides which of them are *stored* under a remat policy, and
 charges the stored bytes to the layers of ``graph.layers``.
 
-What is stored is the solution of a minimum cut (the formulation of Chen et al.'s
-checkpointing and of PyTorch's min-cut rematerialisation partitioner): every forward value
-is either stored (costing its bytes, times the trip counts of the loops around it) or
-recomputed in the backward pass from stored values, and the cut minimises the stored
-bytes subject to three rules.
+What is stored is a minimum cut (the formulation of Chen et al.'s checkpointing and of
+PyTorch's min-cut rematerialisation partitioner): every forward value is either stored
+(costing its bytes times the trip counts of the loops around it) or recomputed in the
+backward pass from stored values, and the cut minimises the stored bytes under three rules.
 
-* **Recomputable ops** (``fusion=True``): elementwise, broadcast and layout ops
-  (``_RECOMPUTABLE``) may be recomputed inside the backward pass's fused kernels, as XLA
-  fusions and Megatron's hand-written kernels (fused bias-GeLU, fused softmax, LayerNorm)
-  do. Matmuls, reductions, gathers, random bits and loops may not: their outputs are
-  stored when needed. With ``fusion=False`` nothing is recomputed and the result is the
-  literal set of values the linearised jaxpr reads (what an unfused interpreter holds).
+* **Recomputable ops** (``recompute_elementwise=True``): elementwise, broadcast and layout
+  ops (``_RECOMPUTABLE``) may be recomputed inside fused backward kernels, as Megatron's
+  hand-written kernels (fused bias-GeLU, fused softmax, LayerNorm) do (XLA does not; see
+  the measurements below). Matmuls, reductions, gathers, random bits and loops may not: their outputs are
+  stored when needed. With ``recompute_elementwise=False`` nothing is recomputed: the
+  stored set is exactly the values the linearised jaxpr reads, JAX's own residuals.
 * **Materialised operands**: a value read by a backward matmul (``dW = x^T dy`` reads
-  ``x``; ``dV = P^T dO`` reads ``P``) must exist in memory, so it is stored, never
-  recomputed into a fusion.
-* **Free values**: graph inputs (parameters, the batch), closed-over constants, values
-  computed from literals alone (an ``iota`` causal mask broadcast to ``[b, a, s, s]``),
-  and values computed from parameters / optimizer state alone without random bits
-  (compute-dtype casts of weights: parameter memory, not activations) cost nothing.
+  ``x``; ``dV = P^T dO`` reads ``P``) must sit in memory: it is stored, not recomputed.
+* **Free values** cost nothing: graph inputs (parameters, the batch), closed-over
+  constants, values computed from literals alone (an ``iota`` causal mask broadcast to
+  ``[b, a, s, s]``, counted nowhere rather than once per layer), and values computed from
+  parameters / optimizer state alone without random bits (compute-dtype copies of
+  weights: parameter memory, not activations). Random bits make activations even when
+  their key comes from a step counter (dropout masks).
 
 Remat policies, applied on the graph:
 
 * ``"none"``: the cut above.
 * ``"selective"`` (Korthikanti et al. 2022, section 4.2): the **attention core** is never
-  stored, always recomputed (matmul and random bits included). Structural rule: an
+  stored but recomputed (its matmul and random bits included). Structural rule: an
   *attention matmul* is a forward ``dot_general`` whose two operands both carry batch
-  data (neither is a weight); the core of one is its output, every value on a path from
-  that output (through non-matmul ops) to the operand of another attention matmul (the
-  scores, masked scores, softmax statistics and probabilities, dropped-out
-  probabilities), and the values of the same element count feeding those paths (the
-  dropout mask and its random bits). So ``QK^T`` seeds a core and ``AV`` ends it; ``AV``
-  itself seeds none (its output feeds a weight matmul).
-* ``"full"``: every layer is checkpointed: values produced inside a layer and not read
-  by another layer's (or the head's) forward are never stored; only values crossing a
-  layer boundary may be (for a transformer: the residual stream entering each layer).
+  data or random bits (neither is a weight). Its core is its output; every value on a
+  path from that output, through non-matmul ops, to an operand of another attention
+  matmul (scores, masked and scaled scores, softmax statistics and probabilities,
+  dropped-out probabilities); and the values of the output's element count that feed
+  those paths (the dropout mask and its random bits). So ``Q K^T`` opens a core and
+  ``P V`` closes it; ``P V`` opens none (its output feeds a weight matmul). Copies of a
+  core value across a loop boundary are core.
+* ``"full"``: every layer is checkpointed. Values produced in a layer and read only by
+  that layer's forward are never stored (recomputed from the layer's inputs); values
+  crossing into or out of a layer, and loop bodies' inputs, are not recomputed across the
+  boundary (stored when needed). For a transformer that leaves each layer's residual
+  stream input, ``2 s b h`` bytes in 16 bits.
+
+Scans: a forward ``scan`` body is spliced in once, its values counted ``length`` times;
+its stacked outputs (``ys``, which the backward scan reads) are the same bytes as the
+per-iteration body values and are stored once; a loop constant counts once.
 
 Attribution: a stored value inside the body of a scan over layers is charged equally to
-that scan's layers; a top-level value to the layer all its forward readers belong to (so
-a layer's input is charged to that layer), else to the layer of its producer, else to no
-layer (``outside_bytes``: embeddings, the last residual stream, logits and loss).
+that scan's layers; a top-level value to the layer all its forward readers belong to (a
+layer's input belongs to it), else to its producer's layer, else to no layer
+(``outside_bytes``: embedding, final LayerNorm, logits, loss).
 
-Measured on the model zoo's GPT (``benchmarks/models/gpt.py``: pre-LN, bf16 compute with
-fp32 LayerNorm statistics and an fp32 softmax, dropout 0.1, tanh GeLU), ``s = h = 256``,
-``a = 8``, ``b = 2``, scanned or unrolled layers alike, per layer, against Korthikanti's
-Table 2 (``s b h (34 + 5 a s / h)``, ``34 s b h``, ``2 s b h``):
+Measured on the model zoo's GPT (``benchmarks/models/gpt.py``: pre-LN, bf16 compute, fp32
+LayerNorm statistics and softmax, dropout 0.1, tanh GeLU; ``s = h = 256``, ``a = 8``,
+``b = 2``; scanned and unrolled layers give identical numbers), per layer, against
+Korthikanti's Table 2 (``s b h (34 + 5 a s / h)``, ``34 s b h``, ``2 s b h``):
 
-* ``"none"``: 1.00x. The cut stores exactly Megatron's set: the two LayerNorm inputs and
-  outputs (8 sbh), Q, K, V (6), the bf16 scores, the dropout mask and the dropped
-  probabilities (5 a s^2 b), the attention output projection's input (2), the fc_in
-  output and the GeLU output (16), two residual dropout masks (2); plus the fp32
-  LayerNorm / softmax statistics (``b s (2 + a) x 8`` bytes, 0.2% here). The fp32
-  softmax and LayerNorm cost nothing extra because they are recomputed from bf16 values.
-* ``fusion=False`` (the literal jaxpr residuals): 2.03x. JAX keeps the fp32 softmax
-  numerator (4 a s^2 b instead of 2), the bf16 probabilities after dropout (2), the
-  dropout mask (1): 7 a s^2 b instead of 5; each LayerNorm's fp32 ``x - mean`` and two
-  fp32 products (12 sbh) plus its bf16 output (2) instead of 4; GeLU's input, three
-  products, ``tanh`` and ``1 - tanh^2`` (48 sbh) instead of 16: 100 sbh + 7 a s^2 b.
-* ``"selective"``: 1.00x of ``34 s b h``; ``"full"``: 1.00x of ``2 s b h`` (plus the
-  layer's dropout key, 8 bytes).
+* ``"none"``: 1.004x. The cut stores Megatron's set (up to ties of equal bytes, below):
+  both LayerNorms' inputs and outputs (8 sbh), Q, K, V (6), the bf16 scores, dropout mask and dropped-out
+  probabilities (5 a s^2 b), the output projection's input (2), fc_in's output and the
+  GeLU output (16), two residual dropout masks (2); plus fp32 LayerNorm / softmax
+  statistics, ``8 b s (a + 2)`` bytes (0.4%). The fp32 softmax and LayerNorm internals
+  cost nothing: they are recomputed from the bf16 values.
+* ``recompute_elementwise=False`` (JAX's literal residuals): 1.92x. JAX keeps the fp32
+  softmax numerator (4 a s^2 b), the bf16 dropped-out probabilities (2) and the mask (1):
+  7 a s^2 b instead of 5; per LayerNorm the fp32 ``x - mean`` and two fp32 products
+  (12 sbh) and the bf16 output (2), 14 instead of 4; for the tanh GeLU its input, three
+  products, ``tanh`` and ``1 - tanh^2`` (48 sbh) instead of 16: 86 sbh + 7 a s^2 b in all.
+  XLA keeps these: the CPU-compiled fp32 gradient with scanned layers grows by 218.4 sbh
+  of temp memory per layer, as predicted here (218.4), and by 164.2 (164.2) at s = 128,
+  h = 512. (With unrolled layers XLA's scheduler sometimes keeps less: 216.1 against
+  218.4 at s = h = 256 but 64.1 against 164.2 at s = 128, h = 512; not investigated.)
+* ``"selective"``: 1.002x of ``34 s b h``; ``"full"``: exactly ``2 s b h``.
+* fp32: ``s b h (66 + 9 a s / h)``, 1.87x the mixed-precision bytes.
+
+Ties: cuts of equal bytes are broken toward values the backward reads directly; a layer's
+residual stream may still be stored as the value entering it or as the branch outputs
+that sum to it (same bytes, possibly charged to the neighbouring layer or to
+``outside_bytes``: the first and last layer can trade ``2 s b h`` with the outside).
+Parameters are told apart by the tracer's input roles (a step that updates them); in a
+bare ``jax.grad`` function they may look like batch data and count as activations.
 
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from autopar.trace import trace
     >>> def loss(w, x):
     ...     return jnp.sum(jnp.tanh(x @ w) @ w.T)
+    >>> def sgd_step(w, x):
+    ...     return w - 0.1 * jax.grad(loss)(w, x)
     >>> f = jax.ShapeDtypeStruct
-    >>> g = trace(jax.grad(loss), f((8, 8), jnp.float32), f((4, 8), jnp.float32))
-    >>> activation_memory(g).total_bytes        # tanh output (read by dW): 4 * 8 * 4 bytes
+    >>> g = trace(sgd_step, f((8, 8), jnp.float32), f((4, 8), jnp.float32))
+    >>> activation_memory(g).total_bytes     # tanh output, read by dW: 4 * 8 float32
     128
+    >>> activation_memory(g, recompute_elementwise=False).total_bytes  # and 1 - tanh^2
+    256
 """
 
 from __future__ import annotations
@@ -84,16 +106,16 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from autopar.errors import InvalidOptionError
+from autopar.errors import AutoparError, InvalidOptionError
 from autopar.trace.graph import Graph, Node, TensorInfo
 
 Remat = Literal["none", "selective", "full"]
 REMAT_POLICIES: tuple[str, ...] = get_args(Remat)
 
-# Ops a fused backward kernel may recompute from their operands (XLA fuses and duplicates
-# elementwise, broadcast and layout ops into consumers; Megatron's fused kernels do the
-# same by hand). Everything else (matmuls, reductions, gathers, random bits, loops) is
-# computed once, in the forward pass.
+# Ops a fused backward kernel may recompute from their operands (Megatron's fused bias-GeLU,
+# softmax and LayerNorm kernels do it by hand; XLA does not across the forward/backward
+# boundary, see the module docstring). Everything else (matmuls, reductions, gathers,
+# random bits, loops) is computed once, in the forward pass.
 _RECOMPUTABLE: frozenset[str] = frozenset(
     {
         # unary elementwise
@@ -169,7 +191,8 @@ class ActivationMemory:
 
     Attributes:
         remat: the remat policy applied (``"none"``, ``"selective"``, ``"full"``).
-        fusion: whether elementwise values may be recomputed in fused backward kernels.
+        recompute_elementwise: whether elementwise values were recomputed in the backward
+            pass (``False``: JAX's literal residuals).
         total_bytes: all stored bytes (``sum(layer_bytes) + outside_bytes``).
         layer_bytes: bytes charged to each layer, aligned with ``Graph.layers``.
         outside_bytes: bytes charged to no layer (embedding, head, loss).
@@ -184,7 +207,7 @@ class ActivationMemory:
     """
 
     remat: Remat
-    fusion: bool
+    recompute_elementwise: bool
     total_bytes: int
     layer_bytes: tuple[int, ...]
     outside_bytes: int
@@ -366,8 +389,7 @@ class _Program:
     def charge(self, k: int) -> tuple[int, ...]:
         """Layers a stored value is charged to (see the module docstring)."""
         val = self.values[k]
-        readers = [op for op in val.consumers]
-        homes = {op.home for op in readers}
+        homes = {op.home for op in val.consumers}
         if len(homes) == 1:
             (h,) = homes
             return h or ()
@@ -495,9 +517,7 @@ def _leaves_body(prog: _Program, op: _Op) -> bool:
     if not op.alias:
         return False
     src, dst = prog.values[op.inputs[0]], prog.values[op.outputs[0]]
-    return len(dst.scope) < len(src.scope) and any(
-        c.home != op.home for c in dst.consumers
-    )
+    return len(dst.scope) < len(src.scope) and any(c.home != op.home for c in dst.consumers)
 
 
 # ----------------------------------------------------------------------------- the cut
@@ -541,7 +561,6 @@ def _min_cut(
     no_save = np.zeros(n, dtype=bool)
     pinned = np.zeros(n, dtype=bool)
     needed = np.zeros(n, dtype=bool)
-    direct = np.zeros(n, dtype=bool)
     produced = np.zeros(n, dtype=bool)
     big = np.iinfo(np.int64).max
     nbytes[:] = big
@@ -554,14 +573,13 @@ def _min_cut(
         no_save[c] |= k in unsaveable
         pinned[c] |= banned[k] or (val.materialised and k not in unsaveable)
         needed[c] |= val.needed
-        direct[c] |= val.needed
         produced[c] |= any(not op.same for op in val.producers)
     roots = sorted(set(cls))
     cap = np.zeros(n, dtype=np.int64)
     for c in roots:
         if not is_free[c]:
             # tie-break: among cuts of equal bytes prefer values the backward reads
-            cap[c] = int(nbytes[c]) * _SCALE + (0 if direct[c] else 1)
+            cap[c] = int(nbytes[c]) * _SCALE + (0 if needed[c] else 1)
     saveable = [c for c in roots if not is_free[c] and not no_save[c]]
     inf = int(cap[saveable].sum()) + 1
     for c in roots:
@@ -596,70 +614,69 @@ def _min_cut(
     )
     status = solver.solve(source, sink)
     if status != solver.OPTIMAL:  # pragma: no cover - capacities are bounded above
-        raise InvalidOptionError(f"activation min-cut failed with status {status}")
+        raise AutoparError(f"the activation min-cut failed with status {status}; report the graph")
     if solver.optimal_flow() >= inf:  # pragma: no cover - every value reaches a free one
-        raise InvalidOptionError(
+        raise AutoparError(
             "no finite set of stored values serves the backward pass: a value the backward "
             "reads can neither be recomputed nor stored under this remat policy"
         )
     side = np.zeros(2 * n + 2, dtype=bool)
     side[np.asarray(solver.get_source_side_min_cut(), dtype=np.int64)] = True
     return [
-        (c, int(nbytes[c]))
-        for c in roots
-        if side[2 * c] and not side[2 * c + 1] and not is_free[c]
+        (c, int(nbytes[c])) for c in roots if side[2 * c] and not side[2 * c + 1] and not is_free[c]
     ]
 
 
 def activation_memory(
-    graph: Graph, remat: Remat = "none", *, fusion: bool = True
+    graph: Graph, remat: Remat = "none", *, recompute_elementwise: bool = True
 ) -> ActivationMemory:
-    """Activation bytes ``graph`` stores between its forward and backward pass.
+    """Activation bytes ``graph`` stores between its forward and its backward pass.
 
     Residuals (values produced in the forward phase and read in the backward phase, loop
     bodies included) are found on the graph; the stored set is the minimum-byte set from
-    which the backward can recompute the rest under ``remat`` (module docstring).
+    which the backward pass gets all of them under ``remat`` (see the module docstring).
 
     Args:
-        graph: a traced training step (``autopar.trace(step, *args)``); a graph without
-            a backward phase stores nothing.
+        graph: a traced training step (``autopar.trace(step, *args)``); a graph without a
+            backward phase stores nothing.
         remat: ``"none"``, ``"selective"`` (recompute the attention core) or ``"full"``
             (checkpoint every layer: store only what enters it).
-        fusion: recompute elementwise values inside fused backward kernels (what XLA and
-            Megatron's kernels do). ``False`` keeps every value the linearised jaxpr
-            reads, the literal JAX residuals.
+        recompute_elementwise: recompute elementwise values inside fused backward kernels
+            (Megatron's accounting; reproduces Korthikanti et al.'s table). ``False``
+            stores every value the linearised jaxpr reads: JAX's literal residuals, which
+            is what XLA keeps for the compiled step.
 
     Returns:
-        An :class:`ActivationMemory` with per-layer and outside bytes.
+        An :class:`ActivationMemory`: total, per-layer and outside bytes, breakdowns.
 
     Raises:
-        InvalidOptionError: ``remat`` is not one of ``"none"``, ``"selective"``,
-            ``"full"``.
+        InvalidOptionError: ``remat`` is not ``"none"``, ``"selective"`` or ``"full"``.
 
     Example:
+        >>> from autopar.trace import trace
         >>> from benchmarks.models.gpt import GPTConfig, make_train_step
-        >>> cfg = GPTConfig(512, 128, 128, 2, 4, dropout=0.1)
-        >>> g = trace(*make_train_step(cfg, 2)[:1], *make_train_step(cfg, 2)[1])
-        >>> activation_memory(g, "full").layer_bytes[0] // (128 * 2 * 128)
-        2
+        >>> step, args = make_train_step(GPTConfig(512, 128, 128, 2, 4, dropout=0.1), 2)
+        >>> mem = activation_memory(trace(step, *args), "full")
+        >>> [b // (128 * 2 * 128) for b in mem.layer_bytes]      # 2 s b h per layer
+        [2, 2]
     """
     if remat not in REMAT_POLICIES:
         raise InvalidOptionError(f"remat={remat!r} is not a policy; use one of {REMAT_POLICIES}")
     prog = _Program(graph)
     act = prog.activation_flags()
     free = [val.free or not act[k] for k, val in enumerate(prog.values)]
+    # banned: computed in the forward pass only (stored if the backward needs it)
     banned = []
     for val in prog.values:
-        prods = [op for op in val.producers if not op.alias]
-        banned.append(bool(prods) and (not fusion or prods[0].primitive not in _RECOMPUTABLE))
+        prim = next((op.primitive for op in val.producers if not op.alias), None)
+        banned.append(prim is not None and (not recompute_elementwise or prim not in _RECOMPUTABLE))
     unsaveable: set[int] = set()
     if remat == "selective":
         unsaveable = _attention_core(prog, act)
     elif remat == "full":
         unsaveable, entering = _layer_checkpoints(prog)
         banned = [b or k in entering for k, b in enumerate(banned)]
-    if unsaveable:
-        banned = [b and k not in unsaveable for k, b in enumerate(banned)]
+    banned = [b and k not in unsaveable for k, b in enumerate(banned)]
     stored = _min_cut(prog, free, banned, unsaveable)
 
     layer_bytes = [0] * len(graph.layers)
@@ -676,19 +693,18 @@ def activation_memory(
             val.name_stack, layers,
         )  # fmt: skip
         saved.append(sv)
-        nbytes = sv.nbytes
-        by_prim[sv.primitive] += nbytes
-        by_dtype[val.tensor.dtype] += nbytes
+        by_prim[sv.primitive] += sv.nbytes
+        by_dtype[val.tensor.dtype] += sv.nbytes
         if not layers:
-            outside += nbytes
+            outside += sv.nbytes
             continue
-        share, rest = divmod(nbytes, len(layers))
+        share, rest = divmod(sv.nbytes, len(layers))
         for j, i in enumerate(layers):
             layer_bytes[i] += share + (1 if j < rest else 0)
     saved.sort(key=lambda s: (-s.nbytes, s.scope, s.value))
     return ActivationMemory(
         remat=remat,
-        fusion=fusion,
+        recompute_elementwise=recompute_elementwise,
         total_bytes=sum(layer_bytes) + outside,
         layer_bytes=tuple(layer_bytes),
         outside_bytes=outside,
