@@ -21,6 +21,7 @@ from autopar.search.problem import (
     ProblemNode,
     ShardingProblem,
     ShardingSolution,
+    SharedCost,
 )
 from autopar.search.solver import solve
 
@@ -31,6 +32,7 @@ __all__ = [
     "ProblemNode",
     "ShardingProblem",
     "ShardingSolution",
+    "SharedCost",
     "candidate_meshes",
     "evaluate_plan",
     "plan_graph",

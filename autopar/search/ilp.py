@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.search.costs import CostContext
+from autopar.search.fusion import IO, hbm_io
 from autopar.search.problem import MemoryConstraint, ProblemEdge, ProblemNode, ShardingProblem
 from autopar.search.sharding import (
     Collective,
@@ -92,6 +93,7 @@ class Op:
     input: GraphInput | None = None  # input op / output sink: the graph input
     root_role: str | None = None  # body_input: role of the graph input it reads, if any
     depends: bool = True  # depends on some graph input (else: a constant)
+    io: IO | None = None  # fusible ops: which operands/results touch HBM (fusion.py)
 
 
 @dataclass
@@ -413,6 +415,7 @@ class ProblemBuilder:
                 self._new_op("output", syn, (), 1.0, [ref], go.path, input=gi)
 
     def _walk(self, graph: Graph, scope: Scope, weight: float, env: dict[int, Ref]) -> None:
+        io = hbm_io(graph)
         for node in graph.nodes:
             if node.primitive == "scan" and self._scan_ok(node):
                 self._scan(node, scope, weight, env)
@@ -428,6 +431,7 @@ class ProblemBuilder:
                 node.name_stack or node.primitive,
                 phase=node.phase,
                 depends=depends,
+                io=io.get(node.id),
             )
             if node.layer is not None and not scope:
                 self._layer_of_op[op.index] = (node.layer, node.id)
@@ -559,7 +563,9 @@ class ProblemBuilder:
             t = op.node.in_tensors[k]
             if t.ndim == 0 or not can_follow(op.node, k):
                 continue
-            key = (not self._weak(ref), t.ndim, t.dtype != "bool", -k)
+            # Prefer a real (not constant) operand of full rank and of the result's size
+            # (``x`` over ``mean`` in ``x - mean``: its layout carries more).
+            key = (not self._weak(ref), t.ndim, t.size, t.dtype != "bool", -k)
             if best_key is None or key > best_key:
                 best, best_key = k, key
         return best
@@ -594,7 +600,7 @@ class ProblemBuilder:
     def _key(self, op: Op) -> tuple:
         k = self._keys.get(op.index)
         if k is None:
-            k = self._keys[op.index] = _struct_key(op.node)
+            k = self._keys[op.index] = (_struct_key(op.node), op.io)
         return k
 
     def _input_specs(self, gi: GraphInput) -> list[Sharding]:
@@ -617,7 +623,7 @@ class ProblemBuilder:
             key = self._key(op)
             hit = self._enum_cache.get(key)
             if hit is None:
-                hit = self._enum_cache[key] = enumerate_strategies(op.node, self.ctx)
+                hit = self._enum_cache[key] = enumerate_strategies(op.node, self.ctx, op.io)
             pinned = self._restrict.get(op.index)
             if pinned:
                 hit = [st for st in hit if all(st.outs[p] == s for p, s in pinned.items())]
@@ -662,7 +668,7 @@ class ProblemBuilder:
         key = (self._key(op), k, spec)
         hit = self._follow_cache.get(key)
         if hit is None:
-            hit = self._follow_cache[key] = follow_strategy(op.node, k, spec, self.ctx)
+            hit = self._follow_cache[key] = follow_strategy(op.node, k, spec, self.ctx, op.io)
         return hit
 
     def _grad_op(self, op: Op) -> bool:

@@ -30,12 +30,16 @@ from autopar.search.evaluate import Evaluation, decode
 from autopar.search.ilp import BuiltProblem, Op, ProblemBuilder
 from autopar.search.problem import ShardingSolution
 from autopar.search.sharding import Sharding, to_plan_spec
-from autopar.search.solver import solve
+from autopar.search.solver import objective_lower_bound, solve
 from autopar.trace.graph import Graph
 
 _DATA_AXES = ("data", "fsdp")
 _MAX_MESH_AXES = 3  # meshes with more non-trivial axes than this are not enumerated
 _LAZY_MEMORY_ROUNDS = 6
+_LONG_SEQUENCE = 4096  # tokens from which a sequence axis is offered whatever the batch
+_EXPERT_WORDS = ("moe", "expert")
+_CLOSE = 0.10  # meshes whose bound is within this of the best step time get the full limit
+_LOSER_TIME_FRACTION = 0.25  # the others get this fraction of the solver time limit
 
 
 @dataclass
@@ -49,6 +53,8 @@ class MeshResult:
     evaluation: Evaluation | None = None
     min_memory_bytes: float | None = None
     skipped: str = ""
+    rename: dict[str, str] | None = None
+    time_limit_s: float = 0.0
 
 
 # ----------------------------------------------------------------------------- meshes
@@ -73,21 +79,110 @@ def _factorisations(n: int, max_len: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _placeholder_names(k: int, allowed: Sequence[str]) -> tuple[str, ...] | None:
-    """Axis names for a k-axis mesh before roles are known, outer -> inner."""
-    preference = ["data", "tensor", "seq", "fsdp", "expert"]
-    names = [a for a in preference if a in allowed][:k]
-    if len(names) < k:
-        names += [a for a in allowed if a not in names][: k - len(names)]
-    if len(names) < k:
-        return None
-    return tuple(sorted(names, key=AXIS_NAMES.index))
+def expert_dims(graph: Graph) -> dict[int, int]:
+    """Graph inputs (parameters, optimizer state) with an expert dimension: input index ->
+    that dimension.
+
+    A parameter has one when a ``dot_general`` batches over its leading non-layer dim (the
+    per-expert matmul ``egcm,emh->egch``), or when its path names a mixture of experts
+    (``moe``/``expert``) and it has a leading dim beyond a matrix's two (after the layer
+    dim of a scanned stack). Optimizer state inherits its parameter's.
+
+    Example:
+        >>> expert_dims(trace(moe_step, state, batch))          # doctest: +SKIP
+        {1: 0, 2: 0}
+    """
+    from autopar.search.ilp import match_optimizer_state
+
+    stacked = _scanned_inputs(graph)
+    shapes: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for gi in graph.inputs_by_role("param"):
+        lead = 1 if gi.index in stacked else 0
+        shape = gi.tensor.shape[lead:]
+        shapes.setdefault(shape, []).append((gi.index, lead))
+    out: dict[int, int] = {}
+    for node in _all_nodes(graph):
+        if node.primitive != "dot_general":
+            continue
+        (_, _), (lb, rb) = node.params["dimension_numbers"]
+        for t, batch in zip(node.in_tensors[:2], (lb, rb), strict=True):
+            if tuple(batch) and int(tuple(batch)[0]) == 0:
+                for index, lead in shapes.get(t.shape, ()):
+                    out[index] = lead
+    for gi in graph.inputs_by_role("param"):
+        lead = 1 if gi.index in stacked else 0
+        path = gi.path.lower()
+        if gi.index not in out and any(w in path for w in _EXPERT_WORDS):
+            if gi.tensor.ndim - lead >= 3 and gi.tensor.shape[lead] > 1:
+                out[gi.index] = lead
+    for p, states in match_optimizer_state(graph).items():
+        if p in out:
+            for s in states:
+                out[s] = out[p]
+    return out
 
 
-def candidate_meshes(num_devices: int, options: SearchOptions) -> list[dict[str, int]]:
-    """The meshes the outer loop considers: ``options.mesh`` or the factorisations of the
-    device count over up to three of ``options.axes`` (placeholder names, renamed by role
-    once solved; the cost depends on sizes and order only).
+def _all_nodes(graph: Graph):
+    for node in graph.nodes:
+        yield node
+        for body in node.body:
+            yield from _all_nodes(body)
+
+
+def _scanned_inputs(graph: Graph) -> set[int]:
+    """Graph inputs that enter a top-level scan as a scanned (stacked) operand."""
+    by_value = {gi.value: gi.index for gi in graph.inputs}
+    out: set[int] = set()
+    for node in graph.nodes:
+        if node.primitive != "scan":
+            continue
+        p = node.params
+        first = int(p.get("num_consts", 0)) + int(p.get("num_carry", 0))
+        for v in node.inputs[first:]:
+            if v in by_value:
+                out.add(by_value[v])
+    return out
+
+
+def offered_axes(graph: Graph | None, num_devices: int, options: SearchOptions) -> tuple[str, ...]:
+    """The mesh axes worth searching for ``graph`` (outer -> inner, ``pipe`` excluded).
+
+    With the default ``SearchOptions.axes``: ``data`` and ``tensor`` always; ``expert``
+    only when some parameter has an expert dimension (:func:`expert_dims`); ``seq`` only
+    when a sequence dimension could use it (the batch is smaller than the device count,
+    or sequences are at least 4096 long); ``fsdp`` never: sharding parameters and
+    optimizer state over ``data`` *is* ZeRO-3/FSDP, and a second axis for the same role
+    only doubles the space. Axes the user lists explicitly (``axes=`` different from the
+    default) are all offered.
+
+    Example:
+        >>> offered_axes(dense_gpt_graph, 8, SearchOptions())      # doctest: +SKIP
+        ('data', 'tensor')
+    """
+    requested = tuple(a for a in options.axes if a != "pipe")
+    default = SearchOptions.__dataclass_fields__["axes"].default
+    if graph is None or tuple(options.axes) != tuple(default):
+        return tuple(sorted(requested, key=AXIS_NAMES.index))
+    keep = {"data", "tensor"}
+    batch = graph.inputs_by_role("batch")
+    if any(t.tensor.ndim >= 2 and t.tensor.shape[1] > 1 for t in batch):
+        size = max((t.tensor.shape[0] for t in batch if t.tensor.ndim), default=1)
+        longest = max(t.tensor.shape[1] for t in batch if t.tensor.ndim >= 2)
+        if size < num_devices or longest >= _LONG_SEQUENCE:
+            keep.add("seq")
+    if expert_dims(graph):
+        keep.add("expert")
+    return tuple(a for a in sorted(requested, key=AXIS_NAMES.index) if a in keep)
+
+
+def candidate_meshes(
+    num_devices: int, options: SearchOptions, graph: Graph | None = None
+) -> list[dict[str, int]]:
+    """The meshes the outer loop considers: ``options.mesh``, or the factorisations of the
+    device count over the offered axes (:func:`offered_axes`; at most three, one mesh
+    axis per offered axis, outer -> inner in ``AXIS_NAMES`` order so ``tensor`` lands
+    on the fastest links). The names are placeholders, renamed by role once solved: the
+    cost depends on sizes and order only.
 
     Example:
         >>> [tuple(m.values()) for m in candidate_meshes(8, SearchOptions())]
@@ -95,7 +190,7 @@ def candidate_meshes(num_devices: int, options: SearchOptions) -> list[dict[str,
     """
     if options.mesh is not None:
         return [dict(options.mesh)]
-    axes = tuple(a for a in options.axes if a != "pipe")
+    axes = offered_axes(graph, num_devices, options)
     if num_devices == 1:
         return [{axes[0] if axes else "data": 1}]
     out = []
@@ -104,6 +199,17 @@ def candidate_meshes(num_devices: int, options: SearchOptions) -> list[dict[str,
         if names is not None:
             out.append(dict(zip(names, sizes, strict=True)))
     return sorted(out, key=lambda m: tuple(m.values()))
+
+
+def _placeholder_names(k: int, allowed: Sequence[str]) -> tuple[str, ...] | None:
+    """Axis names for a k-axis mesh before roles are known, outer -> inner."""
+    preference = ["data", "tensor", "seq", "expert", "fsdp"]
+    names = [a for a in preference if a in allowed][:k]
+    if len(names) < k:
+        names += [a for a in allowed if a not in names][: k - len(names)]
+    if len(names) < k:
+        return None
+    return tuple(sorted(names, key=AXIS_NAMES.index))
 
 
 # ----------------------------------------------------------------------------- solving
@@ -161,16 +267,26 @@ def solve_within_memory(
 
 
 def _better(a: MeshResult, b: MeshResult) -> bool:
-    """Lower step time wins; on a tie (0.01%) the mesh with fewer axes (simpler plan)."""
+    """Lower step time wins; on a tie (0.01%) the mesh with fewer axes (simpler plan),
+    then the one whose axes, named by role, are in the conventional order (``data``
+    outer, ``tensor`` inner)."""
     ta, tb = a.evaluation.step_time_s, b.evaluation.step_time_s
     if abs(ta - tb) <= 1e-4 * max(ta, tb):
-        return len(a.mesh) < len(b.mesh)
+        if len(a.mesh) != len(b.mesh):
+            return len(a.mesh) < len(b.mesh)
+        return _canonical(a) and not _canonical(b)
     return ta < tb
 
 
+def _canonical(r: MeshResult) -> bool:
+    names = [(r.rename or {}).get(a, a) for a in r.mesh]
+    return names == sorted(names, key=AXIS_NAMES.index)
+
+
 def _lower_bound(bp: BuiltProblem) -> float:
-    """Every group at its cheapest strategy, edges and memory ignored (<= the ILP optimum)."""
-    return sum(min(n.costs) for n in bp.problem.nodes)
+    """A lower bound on the ILP optimum: the solver's presolve (edge minima moved onto the
+    nodes, dominated strategies dropped) with every node at its cheapest strategy."""
+    return objective_lower_bound(bp.problem)
 
 
 def _step_lower_bound(bp: BuiltProblem, objective_bound: float, eta: float) -> float:
@@ -187,11 +303,13 @@ def _step_lower_bound(bp: BuiltProblem, objective_bound: float, eta: float) -> f
 def _role_names(bp: BuiltProblem, choice: Sequence[int], allowed: Sequence[str]) -> dict[str, str]:
     """Rename placeholder axes by what the solution does with them.
 
-    Axes that split the batch dimension are ``data`` (then ``fsdp``), axes that split
-    the sequence but not the batch ``seq``, the rest ``tensor`` (then ``expert``).
+    Axes that split an expert dimension of a parameter are ``expert``, axes that split
+    the batch dimension ``data`` (then ``fsdp``), axes that split the sequence but not
+    the batch ``seq``, the rest ``tensor``.
     """
     g = bp.graph
     mesh = list(bp.ctx.mesh_dict)
+    experts = expert_dims(g) if "expert" in allowed else {}
     usage: dict[str, set[str]] = {a: set() for a in mesh}
     for gi in g.inputs:
         spec = bp.spec_of_input(gi.index, choice)
@@ -200,8 +318,9 @@ def _role_names(bp: BuiltProblem, choice: Sequence[int], allowed: Sequence[str])
                 if gi.role == "batch":
                     usage[a].add("batch" if d == 0 else "seq")
                 elif gi.role in ("param", "opt_state", "model_state"):
-                    usage[a].add("param")
+                    usage[a].add("expert" if experts.get(gi.index) == d else "param")
     pools = {
+        "expert": ["expert"],
         "batch": ["data", "fsdp"],
         "seq": ["seq"],
         "param": ["tensor", "expert"],
@@ -210,15 +329,7 @@ def _role_names(bp: BuiltProblem, choice: Sequence[int], allowed: Sequence[str])
     taken: set[str] = set()
     out: dict[str, str] = {}
     for a in mesh:
-        role = (
-            "batch"
-            if "batch" in usage[a]
-            else "seq"
-            if "seq" in usage[a]
-            else "param"
-            if "param" in usage[a]
-            else "none"
-        )
+        role = next((r for r in ("expert", "batch", "seq", "param") if r in usage[a]), "none")
         choices = [n for n in pools[role] + list(allowed) if n in allowed and n not in taken]
         name = choices[0] if choices else a
         taken.add(name)
@@ -439,37 +550,45 @@ def plan_graph(
                 f"mesh {dict(options.mesh)} needs {size} devices; the cluster has {cluster.num_devices}."
             )
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
-    meshes = candidate_meshes(cluster.num_devices, options)
+    meshes = candidate_meshes(cluster.num_devices, options, graph)
+    allowed = offered_axes(graph, cluster.num_devices, options)
+    rename_roles = options.mesh is None and options.zero_stage is None
+    eta = cluster.overlap_efficiency
     tried: list[MeshResult] = []
     for mesh in meshes:
         bp = build_problem(graph, cluster, mesh, options, limit)
-        tried.append(MeshResult(mesh, _lower_bound(bp), bp))
-    # Fewer axes first (small problems, quick incumbents), then by bound.
-    tried.sort(key=lambda r: (len(r.mesh), r.bound_s))
-    eta = cluster.overlap_efficiency
+        tried.append(MeshResult(mesh, _step_lower_bound(bp, _lower_bound(bp), eta), bp))
+    # The most promising mesh first (by its step-time lower bound; fewer axes on a tie):
+    # it sets the incumbent that lets the others be skipped or solved briefly.
+    tried.sort(key=lambda r: (r.bound_s, len(r.mesh)))
     best: MeshResult | None = None
     solved = 0
     for r in tried:
         if solved >= options.max_meshes:
             r.skipped = "max_meshes reached"
             continue
-        if (
-            best is not None
-            and _step_lower_bound(r.built, r.bound_s, eta) >= best.evaluation.step_time_s
-        ):
+        incumbent = None if best is None else best.evaluation.step_time_s
+        if incumbent is not None and r.bound_s >= incumbent:
             r.skipped = "lower bound above the best step time"
             continue
         solved += 1
-        r.built, r.solution = solve_within_memory(r.built, limit, options.solver_time_limit_s)
+        # A mesh whose bound is well above the incumbent is unlikely to win: a short solve
+        # (its best solution is still compared) keeps it from eating the time of the search.
+        r.time_limit_s = options.solver_time_limit_s
+        if incumbent is not None and r.bound_s > (1 - _CLOSE) * incumbent:
+            r.time_limit_s *= _LOSER_TIME_FRACTION
+        r.built, r.solution = solve_within_memory(r.built, limit, r.time_limit_s)
         if not r.solution.ok:
             if r.solution.status == "infeasible":
-                low = solve(r.built.problem, options.solver_time_limit_s, minimize="memory")
+                low = solve(r.built.problem, r.time_limit_s, minimize="memory")
                 if low.ok:
                     r.min_memory_bytes = r.built.peak(low.choice)[0]
             continue
         r.evaluation = decode(
             r.built, r.solution.choice, status=r.solution.status, memory_limit=limit
         )
+        if rename_roles:
+            r.rename = _role_names(r.built, r.solution.choice, allowed)
         if best is None or _better(r, best):
             best = r
     if results is not None:
@@ -491,10 +610,7 @@ def plan_graph(
         )
 
     bp, choice = best.built, best.solution.choice
-    if options.mesh is None and options.zero_stage is None:
-        rename = _role_names(bp, choice, [a for a in options.axes if a != "pipe"])
-    else:
-        rename = {a: a for a in bp.ctx.mesh_dict}
+    rename = best.rename or {a: a for a in bp.ctx.mesh_dict}
     evaluation = decode(bp, choice, rename, status=best.solution.status, memory_limit=limit)
     return Plan(
         mesh={rename[a]: s for a, s in bp.ctx.mesh_dict.items()},
@@ -529,4 +645,11 @@ def plan_graph(
     )
 
 
-__all__ = ["MeshResult", "build_problem", "candidate_meshes", "plan_graph"]
+__all__ = [
+    "MeshResult",
+    "build_problem",
+    "candidate_meshes",
+    "expert_dims",
+    "offered_axes",
+    "plan_graph",
+]

@@ -2,8 +2,9 @@
 
 A :class:`ShardingProblem` is what the solver sees: nodes with one cost per strategy,
 edges with a cost per (producer layout, consumer layout) pair, memory constraints that are
-linear in the strategy choice, and alias groups (nodes that must pick the same strategy
-index, e.g. a parameter and its optimizer state). It carries no JAX objects and
+linear in the strategy choice, alias groups (nodes that must pick the same strategy
+index, e.g. a parameter and its optimizer state) and shared costs (paid once when any
+member strategy is chosen: combined collectives). It carries no JAX objects and
 round-trips through JSON, so a slow or surprising solve can be replayed on its own.
 
 Costs are seconds, memory is bytes per device.
@@ -108,6 +109,34 @@ class MemoryConstraint:
 
 
 @dataclass(frozen=True)
+class SharedCost:
+    """A cost paid once when any of its members is chosen.
+
+    Collectives XLA combines into one (the gradient reductions of a layer: independent
+    all-reduces over the same devices) pay the collective's latency once; each member
+    strategy pays only its bandwidth part in its own cost.
+
+    Attributes:
+        name: for humans.
+        cost: seconds, paid once if some member ``(node, strategy)`` is chosen.
+        members: ``(node, strategies)`` pairs.
+    """
+
+    name: str
+    cost: float
+    members: tuple[tuple[int, tuple[int, ...]], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cost", float(self.cost))
+        object.__setattr__(
+            self, "members", tuple((int(n), tuple(int(x) for x in ss)) for n, ss in self.members)
+        )
+
+    def active(self, choice: Sequence[int]) -> bool:
+        return any(choice[n] in ss for n, ss in self.members)
+
+
+@dataclass(frozen=True)
 class ShardingProblem:
     """Choose one strategy per node, minimising node + edge costs under memory bounds.
 
@@ -117,6 +146,7 @@ class ShardingProblem:
         memory: linear memory constraints, each must stay ``<= memory_limit``.
         memory_limit: bytes per device (``None``: unbounded).
         aliases: groups of nodes that must choose the same strategy index (equal counts).
+        shared: costs paid once when any of their members is chosen.
     """
 
     nodes: tuple[ProblemNode, ...]
@@ -125,9 +155,11 @@ class ShardingProblem:
     memory_limit: float | None = None
     aliases: tuple[tuple[int, ...], ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    shared: tuple[SharedCost, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "shared", tuple(self.shared))
         object.__setattr__(self, "edges", tuple(self.edges))
         object.__setattr__(self, "memory", tuple(self.memory))
         object.__setattr__(self, "aliases", tuple(tuple(int(n) for n in a) for a in self.aliases))
@@ -144,8 +176,9 @@ class ShardingProblem:
 
     # -- evaluation of a choice ---------------------------------------------------------
     def objective(self, choice: Sequence[int]) -> float:
-        """Total cost (seconds) of a choice: node costs plus edge costs."""
+        """Total cost (seconds) of a choice: node, edge and active shared costs."""
         total = sum(n.costs[c] for n, c in zip(self.nodes, choice, strict=True))
+        total += sum(sc.cost for sc in self.shared if sc.active(choice))
         return total + sum(e.cost(choice[e.src], choice[e.dst]) for e in self.edges)
 
     def memory_usage(self, choice: Sequence[int]) -> float:
@@ -167,6 +200,7 @@ class ShardingProblem:
             "edge_pairs": sum(len(e.costs) * len(e.costs[0]) for e in self.edges if e.costs),
             "memory_constraints": len(self.memory),
             "alias_groups": len(self.aliases),
+            "shared_costs": len(self.shared),
         }
 
     # -- JSON ------------------------------------------------------------------------------
@@ -198,6 +232,10 @@ class ShardingProblem:
             "memory_limit": self.memory_limit,
             "aliases": [list(a) for a in self.aliases],
             "meta": self.meta,
+            "shared": [
+                {"name": c.name, "cost": c.cost, "members": [[n, list(ss)] for n, ss in c.members]}
+                for c in self.shared
+            ],
         }
 
     def to_json(self) -> str:
@@ -229,6 +267,10 @@ class ShardingProblem:
             memory_limit=d.get("memory_limit"),
             aliases=tuple(tuple(a) for a in d.get("aliases", ())),
             meta=dict(d.get("meta", {})),
+            shared=tuple(
+                SharedCost(c["name"], c["cost"], tuple((n, tuple(ss)) for n, ss in c["members"]))
+                for c in d.get("shared", ())
+            ),
         )
 
     @classmethod

@@ -41,6 +41,9 @@ from autopar.search.sharding import (
 from autopar.trace.graph import Node, TensorInfo
 
 Tag = tuple[str, tuple[str, ...]]
+IO = tuple[tuple[bool, ...], tuple[bool, ...]]
+"""Which operands an operation reads from HBM and which results it writes (``fusion.py``);
+``None``: all of them."""
 
 
 @dataclass(frozen=True)
@@ -160,14 +163,17 @@ def _price(
     name: str,
     comm: Sequence[Collective] = (),
     tags: Sequence[Tag] = (),
+    io: IO | None = None,
 ) -> OpStrategy:
     mesh = ctx.mesh
     nbytes = 0.0
-    for t, s in zip(node.in_tensors, ins, strict=False):
-        if s is not None:
+    reads, writes = io if io is not None else ((True,) * len(ins), (True,) * len(outs))
+    for t, s, r in zip(node.in_tensors, ins, reads, strict=False):
+        if s is not None and r:
             nbytes += t.nbytes / shards(s, mesh)
-    for t, s in zip(node.out_tensors, outs, strict=True):
-        nbytes += t.nbytes / shards(s, mesh)
+    for t, s, w in zip(node.out_tensors, outs, writes, strict=True):
+        if w:
+            nbytes += t.nbytes / shards(s, mesh)
     flops = node.flops / max(work_shards, 1)
     if node.primitive in FREE:
         compute = 0.0
@@ -202,20 +208,28 @@ def replicated_strategy(node: Node, ctx: CostContext) -> OpStrategy:
 Rule = Callable[[Node, int, Sharding, MeshShape], tuple[list, list, tuple[str, ...]]]
 
 
-def _same_shape_ins(node: Node, ref: TensorInfo, spec: Sharding) -> list:
-    ins: list = []
-    for t in node.in_tensors:
-        if t.shape == ref.shape:
-            ins.append(spec)
-        else:
-            ins.append(replicated(t.ndim))
-    return ins
+def _broadcast_to(spec: Sharding, src: Sequence[int], dst: Sequence[int]) -> Sharding:
+    """The layout of a same-rank value of shape ``dst`` implied by ``spec`` on shape
+    ``src``: elementwise operations broadcast size-1 dims (``x - mean`` with ``x``
+    ``[b, s, h]`` and ``mean`` ``[b, s, 1]``), so a dim whose sizes differ is replicated
+    and every other dim keeps its axes."""
+    return tuple(s if a == b else () for s, a, b in zip(spec, src, dst, strict=True))
 
 
 def _rule_elementwise(node: Node, main: int, spec: Sharding, mesh: MeshShape):
     ref = node.in_tensors[main]
-    ins = _same_shape_ins(node, ref, spec)
-    outs = [spec if t.shape == ref.shape else replicated(t.ndim) for t in node.out_tensors]
+    outs = [
+        _broadcast_to(spec, ref.shape, t.shape) if t.ndim == ref.ndim else replicated(t.ndim)
+        for t in node.out_tensors
+    ]
+    full = next((t for t in node.out_tensors if t.ndim == ref.ndim), ref)
+    layout = _broadcast_to(spec, ref.shape, full.shape)
+    ins = [
+        _broadcast_to(layout, full.shape, t.shape)
+        if t.ndim == ref.ndim and t.ndim
+        else replicated(t.ndim)
+        for t in node.in_tensors
+    ]
     return ins, outs, ()
 
 
@@ -365,7 +379,10 @@ def can_follow(node: Node, operand: int) -> bool:
     if node.primitive not in _RULES or not node.out_tensors:
         return False
     t = node.in_tensors[operand]
-    if node.primitive in ELEMENTWISE or node.primitive in SORTING:
+    if node.primitive in ELEMENTWISE:
+        # Operands of the result's rank (size-1 dims broadcast); scalars cannot lead.
+        return t.ndim > 0 and any(o.ndim == t.ndim for o in node.out_tensors)
+    if node.primitive in SORTING:
         return any(o.shape == t.shape for o in node.out_tensors)
     if node.primitive == "concatenate":
         return True
@@ -374,8 +391,13 @@ def can_follow(node: Node, operand: int) -> bool:
     return operand == 0
 
 
-def follow_strategy(node: Node, operand: int, spec: Sharding, ctx: CostContext) -> OpStrategy:
+def follow_strategy(
+    node: Node, operand: int, spec: Sharding, ctx: CostContext, io: IO | None = None
+) -> OpStrategy:
     """The strategy of ``node`` when operand ``operand`` arrives laid out as ``spec``.
+
+    ``io`` says which operands and results touch HBM (fused values do not; see
+    ``fusion.hbm_io``); by default all do.
 
     Example:
         >>> s = follow_strategy(reduce_sum_node, 0, (("data",), ()), ctx)   # doctest: +SKIP
@@ -395,10 +417,10 @@ def follow_strategy(node: Node, operand: int, spec: Sharding, ctx: CostContext) 
     else:
         work = max((shards(s, ctx.mesh) for s in outs), default=1)
     tags = (("all-reduce", reduce_axes),) if reduce_axes else ()
-    return _price(node, ins, outs, work, ctx, "follow", comm, tags)
+    return _price(node, ins, outs, work, ctx, "follow", comm, tags, io)
 
 
-def _enumerate_followable(node: Node, ctx: CostContext) -> list[OpStrategy]:
+def _enumerate_followable(node: Node, ctx: CostContext, io: IO | None) -> list[OpStrategy]:
     tensors = [(k, t) for k, t in enumerate(node.in_tensors) if t.ndim > 0]
     if not tensors or not any(can_follow(node, k) for k, _ in tensors):
         # Nothing to follow (e.g. a broadcast of a scalar): any result layout is free.
@@ -418,11 +440,11 @@ def _enumerate_followable(node: Node, ctx: CostContext) -> list[OpStrategy]:
                 spec if t.shape == node.out_tensors[0].shape else replicated(t.ndim)
                 for t in node.out_tensors
             )
-            out.append(_price(node, ins, outs, shards(spec, ctx.mesh), ctx, "source"))
+            out.append(_price(node, ins, outs, shards(spec, ctx.mesh), ctx, "source", io=io))
         return _dedupe(out)
     k = max((k for k, _ in tensors if can_follow(node, k)), key=lambda k: node.in_tensors[k].ndim)
     out = [
-        follow_strategy(node, k, s, ctx)
+        follow_strategy(node, k, s, ctx, io)
         for s in enumerate_shardings(node.in_tensors[k].shape, ctx.mesh)
     ]
     if node.primitive == "reshape":
@@ -431,7 +453,7 @@ def _enumerate_followable(node: Node, ctx: CostContext) -> list[OpStrategy]:
             back, fwd = reshape_sharding(
                 node.out_tensors[0].shape, node.in_tensors[0].shape, s, ctx.mesh
             )
-            out.append(follow_strategy(node, 0, fwd, ctx))
+            out.append(follow_strategy(node, 0, fwd, ctx, io))
     return _dedupe(out)
 
 
@@ -715,10 +737,11 @@ def _scatter(node: Node, ctx: CostContext) -> list[OpStrategy]:
 # ----------------------------------------------------------------------------- entry
 
 
-def enumerate_strategies(node: Node, ctx: CostContext) -> list[OpStrategy]:
+def enumerate_strategies(node: Node, ctx: CostContext, io: IO | None = None) -> list[OpStrategy]:
     """Every legal strategy of ``node`` on ``ctx.mesh`` (deduplicated by layout).
 
-    Operations without a rule get one strategy: everything replicated.
+    Operations without a rule get one strategy: everything replicated. ``io`` (fusible
+    operations only) says which operands and results touch HBM.
 
     Example:
         >>> len(enumerate_strategies(matmul_node, ctx)) > 1     # doctest: +SKIP
@@ -736,7 +759,7 @@ def enumerate_strategies(node: Node, ctx: CostContext) -> list[OpStrategy]:
     elif p in ("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"):
         out = _scatter(node, ctx)
     elif p in _RULES or p == "iota":
-        out = _enumerate_followable(node, ctx)
+        out = _enumerate_followable(node, ctx, io)
     else:
         out = [replicated_strategy(node, ctx)]
     return out or [replicated_strategy(node, ctx)]

@@ -1,0 +1,87 @@
+"""Which values XLA keeps in HBM: fusion-aware byte counts for memory-bound operations.
+
+XLA fuses chains of elementwise operations (with the broadcasts, reshapes, converts and
+slices between them, and the reduction they feed) into one kernel that reads the chain's
+external inputs once and writes only the values used outside it. Pricing every
+elementwise operation as its own HBM round trip (read all operands, write the result)
+overstates them several times: GPT-2's tanh-gelu alone is ten operations but one kernel,
+and AdamW's update some thirty operations but one pass over the parameters and moments.
+
+The model here: a value is *materialised* (written once to HBM, and read from HBM by each
+consumer) when
+
+* a non-fusible operation produces it (matmul, gather, scatter, a loop, an input), or a
+  reduction (the root of its fusion);
+* it leaves its graph (a result, a loop output);
+* a non-fusible operation reads it (a matmul operand); or
+* two or more operations read it (XLA either materialises it or recomputes it in each
+  consumer, re-reading its inputs: about the same traffic).
+
+Every other value lives in registers between fused operations: its producer writes no
+bytes for it and its consumer reads none. FLOPs are unaffected.
+
+Example:
+    >>> io = hbm_io(graph)                      # doctest: +SKIP
+    >>> io[gelu_tanh_node.id]                   # doctest: +SKIP
+    ((False,), (False,))
+"""
+
+from __future__ import annotations
+
+from autopar.search.strategies import (
+    ARG_REDUCTIONS,
+    ELEMENTWISE,
+    LAYOUT,
+    REDUCTIONS,
+    SLICING,
+)
+from autopar.trace.graph import Graph
+
+IO = tuple[tuple[bool, ...], tuple[bool, ...]]
+"""Per operand: read from HBM; per result: written to HBM."""
+
+FUSIBLE: frozenset[str] = (
+    ELEMENTWISE | LAYOUT | (SLICING - {"dynamic_update_slice"}) | frozenset(["iota"])
+)
+"""Operations XLA fuses into loop fusions (their results can stay in registers)."""
+
+FUSION_CONSUMERS: frozenset[str] = FUSIBLE | REDUCTIONS | ARG_REDUCTIONS
+"""Operations that can read a fused value without it being materialised (a reduction
+fuses the elementwise chain that feeds it)."""
+
+
+def hbm_io(graph: Graph) -> dict[int, IO]:
+    """Which operands each fusible or reducing node of ``graph`` reads from HBM and which
+    results it writes there (nodes absent from the map read and write everything).
+
+    Only this graph's nodes are classified (a loop body is its own graph): values that
+    enter it or leave it are materialised.
+    """
+    nodes = {n.id: n for n in graph.nodes}
+    escapes = {o.value for o in graph.outputs}
+
+    def materialised(v: int) -> bool:
+        src = graph.producer.get(v)
+        if src is None or v in escapes:
+            return True  # a graph input, a constant, or a result
+        if nodes[src].primitive not in FUSIBLE:
+            return True
+        users = graph.consumers.get(v, ())
+        if len(users) != 1:
+            return True
+        return nodes[users[0]].primitive not in FUSION_CONSUMERS
+
+    out: dict[int, IO] = {}
+    for node in graph.nodes:
+        if node.primitive not in FUSION_CONSUMERS:
+            continue
+        reads = tuple(v >= 0 and materialised(v) for v in node.inputs)
+        if node.primitive in FUSIBLE:
+            writes = tuple(materialised(v) for v in node.outputs)
+        else:
+            writes = tuple(True for _ in node.outputs)  # a reduction's result is stored
+        out[node.id] = (reads, writes)
+    return out
+
+
+__all__ = ["FUSIBLE", "FUSION_CONSUMERS", "IO", "hbm_io"]
