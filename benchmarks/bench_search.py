@@ -1,16 +1,21 @@
-"""Benchmark the sharding search: problem size before/after coarsening and solve time.
+"""Benchmark the sharding search: problem size before/after coarsening, solve time per
+backend, and how the search scales with depth.
 
 Runs, on one 8-GPU DGX A100 node with the mesh {"data": 2, "tensor": 4}:
 
 1. GPT-2 small's AdamW step (batch 8), with ``nn.scan`` over the layers (the zoo's
-   default) and unrolled: ops and strategies before coarsening, groups and ILP variables
-   after, build and solve time, and the predicted step time.
+   default) and unrolled: ops and strategies before coarsening; groups, then the ILP
+   after the solver's presolve (aliases merged, edges folded, dominated strategies
+   dropped); build time; solve time, status and objective for CP-SAT (the default) and
+   HiGHS (the cross-check); the predicted step time.
 2. The same step at 12 and 96 layers, to show that repeated layers cost (almost) nothing:
    the scan body is solved once; unrolled identical layers are tied to one representative.
+3. ``autopar demo``'s planning problem: the small GPT with the mesh left open (the outer
+   loop over meshes), timed end to end.
 
 Usage:
     python benchmarks/bench_search.py            # everything (a few minutes on 2 cores)
-    python benchmarks/bench_search.py --quick    # scan models only
+    python benchmarks/bench_search.py --quick    # scan models and the demo only
 
 CPU wall times on simulated devices say nothing about the plans' speed; they measure how
 long the search itself takes.
@@ -24,9 +29,12 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+BACKENDS = ("cpsat", "highs")
+
 
 def _uncoarsened(bp) -> tuple[int, int]:
     """Ops and the strategies they would have if every op chose on its own."""
+    from autopar.search.ilp import _struct_key
     from autopar.search.strategies import enumerate_strategies
 
     cache: dict = {}
@@ -36,24 +44,18 @@ def _uncoarsened(bp) -> tuple[int, int]:
         if op.kind != "node":
             continue
         ops += 1
-        key = bp_key(op)
+        key = _struct_key(op.node)
         if key not in cache:
             cache[key] = len(enumerate_strategies(op.node, bp.ctx))
         total += cache[key]
     return ops, total
 
 
-def bp_key(op) -> tuple:
-    from autopar.search.ilp import _struct_key
-
-    return _struct_key(op.node)
-
-
 def run(layers: int, scan: bool, mesh: dict[str, int], batch: int = 8) -> dict:
     from autopar.options import SearchOptions
     from autopar.search.evaluate import decode
     from autopar.search.planner import build_problem, solve_within_memory
-    from autopar.search.solver import _reduce
+    from autopar.search.solver import _presolve
     from autopar.trace import trace
     from benchmarks.models.gpt import GPTConfig, make_train_step
     from cost_models import Cluster
@@ -67,31 +69,65 @@ def run(layers: int, scan: bool, mesh: dict[str, int], batch: int = 8) -> dict:
     options = SearchOptions(mesh=mesh)
     limit = float(cluster.device.hbm_bytes)
     t0 = time.perf_counter()
-    bp = build_problem(graph, cluster, mesh, options, limit)
+    built = build_problem(graph, cluster, mesh, options, limit)
     t_build = time.perf_counter() - t0
+    ops, strategies = _uncoarsened(built)
     t0 = time.perf_counter()
-    bp, sol = solve_within_memory(bp, limit, options.solver_time_limit_s)
-    t_solve = time.perf_counter() - t0
-    ev = decode(bp, sol.choice, status=sol.status)
-    red = _reduce(bp.problem)
-    ops, strategies = _uncoarsened(bp)
-    return {
+    cp = _presolve(built.problem, "cost")
+    t_presolve = time.perf_counter() - t0
+    row = {
         "layers": layers,
         "scan": scan,
-        "graph_nodes": bp.coarse_stats["graph_nodes"],
+        "graph_nodes": built.coarse_stats["graph_nodes"],
         "ops": ops,
         "strategies_before": strategies,
-        "groups": len(bp.groups),
-        "strategies_after": bp.problem.size["strategies"],
-        "ilp_choices": len(red.reps),
-        "ilp_edges": len(red.edges),
-        "ilp_edge_pairs": sum(len(m) * len(m[0]) for *_, m in red.edges),
+        "groups": len(built.groups),
+        "strategies_after": built.problem.size["strategies"],
+        "ilp_choices": len(cp.keep),
+        "ilp_strategies": cp.stats["kept"],
+        "ilp_edges": cp.stats["edges"],
+        "ilp_edge_pairs": cp.stats["pairs"],
         "trace_s": t_trace,
         "build_s": t_build,
-        "solve_s": t_solve,
-        "status": sol.status,
-        "step_ms": ev.step_time_s * 1e3,
-        "objective_ms": ev.objective_s * 1e3,
+        "presolve_s": t_presolve,
+    }
+    for backend in BACKENDS:
+        t0 = time.perf_counter()
+        bp, sol = solve_within_memory(built, limit, options.solver_time_limit_s, backend)
+        row[f"{backend}_s"] = time.perf_counter() - t0
+        row[f"{backend}_status"] = sol.status
+        row[f"{backend}_objective_ms"] = sol.objective * 1e3
+        if backend == BACKENDS[0]:
+            row["step_ms"] = decode(bp, sol.choice, status=sol.status).step_time_s * 1e3
+    return row
+
+
+def run_demo() -> dict:
+    """``autopar demo``'s planning problem with the mesh open, timed end to end."""
+    from autopar.options import SearchOptions
+    from autopar.search import plan_graph
+    from autopar.trace import trace
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+    from cost_models import Cluster
+
+    cfg = GPTConfig(vocab_size=512, seq_len=64, hidden=128, layers=4, heads=4, precision="fp32")
+    step, args = make_train_step(cfg, 16)
+    graph = trace(step, *args)
+    results: list = []
+    t0 = time.perf_counter()
+    plan = plan_graph(graph, Cluster.preset("dgx-a100-80gb"), SearchOptions(), results=results)
+    return {
+        "plan_s": time.perf_counter() - t0,
+        "mesh": dict(plan.mesh),
+        "step_ms": plan.predicted.step_time_s * 1e3,
+        "meshes": [
+            (
+                r.mesh,
+                r.skipped or r.solution.status,
+                None if r.evaluation is None else round(r.evaluation.step_time_s * 1e3, 4),
+            )
+            for r in results
+        ],
     }
 
 
@@ -102,13 +138,18 @@ def _print(rows: list[dict]) -> None:
         ("graph_nodes", "eqns", "{}"),
         ("strategies_before", "strat before", "{}"),
         ("groups", "groups", "{}"),
-        ("ilp_choices", "ILP choices", "{}"),
-        ("ilp_edges", "ILP edges", "{}"),
-        ("ilp_edge_pairs", "edge pairs", "{}"),
-        ("trace_s", "trace s", "{:.2f}"),
+        ("strategies_after", "strat after", "{}"),
+        ("ilp_choices", "ILP nodes", "{}"),
+        ("ilp_strategies", "ILP strat", "{}"),
+        ("ilp_edge_pairs", "ILP pairs", "{}"),
         ("build_s", "build s", "{:.2f}"),
-        ("solve_s", "solve s", "{:.2f}"),
-        ("status", "status", "{}"),
+        ("presolve_s", "presolve s", "{:.2f}"),
+        ("cpsat_s", "CP-SAT s", "{:.2f}"),
+        ("cpsat_status", "CP-SAT", "{}"),
+        ("highs_s", "HiGHS s", "{:.2f}"),
+        ("highs_status", "HiGHS", "{}"),
+        ("cpsat_objective_ms", "obj CP-SAT ms", "{:.4f}"),
+        ("highs_objective_ms", "obj HiGHS ms", "{:.4f}"),
         ("step_ms", "step ms", "{:.2f}"),
     ]
     print(" | ".join(h for _, h, _ in cols))
@@ -118,7 +159,7 @@ def _print(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="scan models only")
+    parser.add_argument("--quick", action="store_true", help="scan models and the demo only")
     args = parser.parse_args()
     mesh = {"data": 2, "tensor": 4}
     rows = [run(12, True, mesh)]
@@ -133,12 +174,19 @@ def main() -> None:
     for scan in (True, False):
         if (12, scan) in by and (96, scan) in by:
             a, b = by[(12, scan)], by[(96, scan)]
-            search_a = a["build_s"] + a["solve_s"]
-            search_b = b["build_s"] + b["solve_s"]
+            search_a = a["build_s"] + a["cpsat_s"]
+            search_b = b["build_s"] + b["cpsat_s"]
             print(
-                f"{'scan' if scan else 'unrolled'}: 96 layers search {search_b:.2f} s = "
-                f"{search_b / search_a:.2f}x the 12-layer {search_a:.2f} s"
+                f"{'scan' if scan else 'unrolled'}: 96 layers search (build + CP-SAT) "
+                f"{search_b:.2f} s = {search_b / search_a:.2f}x the 12-layer {search_a:.2f} s"
             )
+    demo = run_demo()
+    print(
+        f"autopar demo (GPT 4 layers, hidden 128; mesh open, 8 GPUs): planned in "
+        f"{demo['plan_s']:.2f} s, mesh {demo['mesh']}, step {demo['step_ms']:.4f} ms"
+    )
+    for mesh_, status, step_ms in demo["meshes"]:
+        print(f"  {mesh_}: {status}, step {step_ms} ms")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,16 @@ class CostContext:
             self._coll[key] = t
         return Collective(kind, axes, float(nbytes), t)
 
+    def latency(self, kind: str, axes: Sequence[str]) -> float:
+        """Seconds a collective takes however small its buffer (its latency terms): what
+        combining several collectives into one saves per collective merged."""
+        axes = self.mesh.order(axes)
+        key = ("latency", kind, axes)
+        t = self._coll.get(key)
+        if t is None:
+            t = self._coll[key] = self.collective(kind, 1.0, axes).time_s
+        return t
+
     def compute(
         self, flops: float, nbytes: float, dtype: str = "bfloat16", kind: ComputeKind = "other"
     ) -> float:

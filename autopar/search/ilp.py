@@ -41,7 +41,13 @@ from typing import Any
 
 from autopar.search.costs import CostContext
 from autopar.search.fusion import IO, hbm_io
-from autopar.search.problem import MemoryConstraint, ProblemEdge, ProblemNode, ShardingProblem
+from autopar.search.problem import (
+    MemoryConstraint,
+    ProblemEdge,
+    ProblemNode,
+    ShardingProblem,
+    SharedCost,
+)
 from autopar.search.sharding import (
     Collective,
     Sharding,
@@ -104,6 +110,16 @@ class Group:
     strategies: list[list[OpStrategy]] = field(default_factory=list)  # [s][position]
     costs: list[float] = field(default_factory=list)
     compute: list[float] = field(default_factory=list)  # the compute part of each cost
+    # per strategy: the combined collectives it takes part in (see ``Charge``)
+    charges: list[tuple[Charge, ...]] = field(default_factory=list)
+
+
+Charge = tuple[tuple[tuple[int, int], ...], str, tuple[str, ...], float, float]
+"""A combined gradient reduction: (scope, kind, axes, executions, latency seconds).
+
+XLA's collective combiners merge the independent gradient all-reduces (reduce-scatters)
+of one computation over the same devices into one collective, so their latency is paid
+once per execution of the scope; each strategy pays only the bandwidth part itself."""
 
 
 @dataclass(frozen=True)
@@ -289,7 +305,9 @@ class BuiltProblem:
         """The same problem with memory constraints at ``moments`` (added lazily)."""
         cons = tuple(_constraint(self, t) for t in moments)
         p = self.problem
-        problem = ShardingProblem(p.nodes, p.edges, cons, p.memory_limit, p.aliases, p.meta)
+        problem = ShardingProblem(
+            p.nodes, p.edges, cons, p.memory_limit, p.aliases, p.meta, p.shared
+        )
         out = BuiltProblem(**{**self.__dict__, "problem": problem, "moments": list(moments)})
         return out
 
@@ -682,11 +700,22 @@ class ProblemBuilder:
             self._grad_cache[op.index] = hit
         return hit
 
-    def _strategy_cost(self, op: Op, st: OpStrategy) -> float:
+    def _strategy_cost(self, op: Op, st: OpStrategy) -> tuple[float, tuple[Charge, ...]]:
         """Compute plus the strategy's collectives, weighted as the objective counts them
-        (:func:`objective_weight` of :func:`collective_class`)."""
-        factor = 1.0 - self.eta if self._grad_op(op) else 1.0
-        return st.compute_s + factor * st.comm_s
+        (:func:`objective_weight` of :func:`collective_class`), and the combined
+        collectives it joins: a gradient reduction pays its bandwidth part here and its
+        latency once per scope, as a shared cost (:data:`Charge`)."""
+        if not st.comm:
+            return st.compute_s, ()
+        if not self._grad_op(op):
+            return st.compute_s + st.comm_s, ()
+        cost = st.compute_s
+        charges = []
+        for c in st.comm:
+            lat = self.ctx.latency(c.kind, c.axes)
+            cost += (1.0 - self.eta) * (c.time_s - lat)
+            charges.append((op.scope, c.kind, c.axes, op.weight, lat))
+        return cost, tuple(charges)
 
     def _reshard_cost(self, t: TensorInfo, have: Sharding, need: Sharding, source: Op) -> float:
         """Resharding time, weighted: moving a parameter or optimizer state out of its
@@ -706,7 +735,7 @@ class ProblemBuilder:
     def _group_signature(self, g: Group, where: dict[int, tuple[int, int]]) -> tuple:
         """Everything pricing a group depends on: equal signatures (the same block in
         another layer) price identically, so they are priced once."""
-        sig: list = [self.ops[g.ops[0]].root_role]
+        sig: list = [self.ops[g.ops[0]].root_role, self.ops[g.ops[0]].scope]
         for oi in g.ops:
             op = self.ops[oi]
             internal = tuple(
@@ -725,10 +754,10 @@ class ProblemBuilder:
             sig = self._group_signature(g, where)
             hit = cache.get(sig)
             if hit is not None:
-                g.strategies, g.costs, g.compute = hit
+                g.strategies, g.costs, g.compute, g.charges = hit
                 continue
             self._price_group(g, where)
-            cache[sig] = (g.strategies, g.costs, g.compute)
+            cache[sig] = (g.strategies, g.costs, g.compute, g.charges)
 
     def _price_group(self, g: Group, where: dict[int, tuple[int, int]]) -> None:
         leader = self.ops[g.ops[0]]
@@ -751,7 +780,8 @@ class ProblemBuilder:
         memo: list[dict] = [{} for _ in ops]  # per follower: main layout -> (strategy, cost)
         for lead in self._leader_strategies(leader):
             strats: list[OpStrategy] = [lead]
-            cost = leader.weight * self._strategy_cost(leader, lead)
+            lead_cost, charges = self._strategy_cost(leader, lead)
+            cost = leader.weight * lead_cost
             compute = leader.weight * lead.compute_s
             for pos in range(1, len(ops)):
                 k, ppos, ref = mains[pos]
@@ -760,14 +790,17 @@ class ProblemBuilder:
                 if hit is None:
                     op = ops[pos]
                     st = self._follow(op, k, _pad(spec, ref.delta))
+                    op_cost, op_charges = self._strategy_cost(op, st)
                     hit = memo[pos][spec] = (
                         st,
-                        op.weight * self._strategy_cost(op, st),
+                        op.weight * op_cost,
                         op.weight * st.compute_s,
+                        op_charges,
                     )
                 strats.append(hit[0])
                 cost += hit[1]
                 compute += hit[2]
+                charges += hit[3]
             # Reads inside the group: free when layouts agree, else a resharding.
             for pos, reads in enumerate(internal):
                 st = strats[pos]
@@ -782,6 +815,7 @@ class ProblemBuilder:
             g.strategies.append(strats)
             g.costs.append(cost)
             g.compute.append(compute)
+            g.charges.append(tuple(dict.fromkeys(charges)))
 
     # -- edges --------------------------------------------------------------------------
     def _edges(
@@ -1017,6 +1051,7 @@ class ProblemBuilder:
             self.memory_limit,
             tuple(aliases),
             {"mesh": self.ctx.mesh_dict},
+            _shared_costs(groups, self.eta),
         )
         stats = {
             "ops": len(self.ops),
@@ -1057,6 +1092,28 @@ _KNOWN = frozenset(
         "scatter_mul",
     ]
 )
+
+
+def _shared_costs(groups: list[Group], eta: float) -> tuple[SharedCost, ...]:
+    """One shared cost per combined gradient reduction (:data:`Charge`): its latency,
+    weighted like the gradient reductions it merges, paid once if any member strategy is
+    chosen."""
+    members: dict[Charge, dict[int, list[int]]] = {}
+    for gi, g in enumerate(groups):
+        for s, charges in enumerate(g.charges):
+            for ch in charges:
+                members.setdefault(ch, {}).setdefault(gi, []).append(s)
+    out = []
+    for (scope, kind, axes, weight, lat), by_group in members.items():
+        where = f" in scan {scope[-1][0]}" if scope else ""
+        out.append(
+            SharedCost(
+                f"combined {kind} over {','.join(axes)}{where}",
+                weight * (1.0 - eta) * lat,
+                tuple((gi, tuple(ss)) for gi, ss in sorted(by_group.items())),
+            )
+        )
+    return tuple(out)
 
 
 def _same_layouts(a: Group, b: Group) -> bool:

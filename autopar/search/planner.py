@@ -250,11 +250,11 @@ def build_problem(
 
 
 def solve_within_memory(
-    bp: BuiltProblem, limit: float | None, time_limit_s: float
+    bp: BuiltProblem, limit: float | None, time_limit_s: float, backend: str = "cpsat"
 ) -> tuple[BuiltProblem, ShardingSolution]:
     """Solve, then check the exact peak over every moment; add the moment that breaks the
     bound as a constraint and re-solve (lazy constraint generation)."""
-    sol = solve(bp.problem, time_limit_s)
+    sol = solve(bp.problem, time_limit_s, backend=backend)
     for _ in range(_LAZY_MEMORY_ROUNDS):
         if not sol.ok or limit is None:
             return bp, sol
@@ -262,7 +262,7 @@ def solve_within_memory(
         if peak <= limit * (1 + 1e-9) or moment in bp.moments:
             return bp, sol
         bp = bp.with_moments([*bp.moments, moment])
-        sol = solve(bp.problem, time_limit_s)
+        sol = solve(bp.problem, time_limit_s, backend=backend)
     return bp, sol
 
 
@@ -326,17 +326,19 @@ def _role_names(bp: BuiltProblem, choice: Sequence[int], allowed: Sequence[str])
         "param": ["tensor", "expert"],
         "none": ["data", "tensor", "seq", "fsdp", "expert"],
     }
+    order = ("expert", "batch", "seq", "param", "none")
+    role = {a: next((r for r in order[:-1] if r in usage[a]), "none") for a in mesh}
     taken: set[str] = set()
     out: dict[str, str] = {}
-    for a in mesh:
-        role = next((r for r in ("expert", "batch", "seq", "param") if r in usage[a]), "none")
-        choices = [n for n in pools[role] + list(allowed) if n in allowed and n not in taken]
+    # Axes with a role pick their names first; unused axes take what is left.
+    for a in sorted(mesh, key=lambda a: order.index(role[a])):
+        choices = [n for n in pools[role[a]] + list(allowed) if n in allowed and n not in taken]
         name = choices[0] if choices else a
         taken.add(name)
         out[a] = name
     if len(set(out.values())) != len(out):
         return {a: a for a in mesh}
-    return out
+    return {a: out[a] for a in mesh}
 
 
 def _rename(spec: Sharding, rename: Mapping[str, str]) -> Sharding:

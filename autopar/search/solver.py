@@ -14,8 +14,9 @@ Formulation (one boolean ``x[n, s]`` per node ``n`` and strategy ``s``):
   (Measured on GPT-2 small: the clause form ``y >= a + b - 1`` with pair booleans only for
   non-zero costs left CP-SAT 20% off after 30 s; row/column cover inequalities over the
   non-zero pairs only proved the optimum in ~4 s; the full marginalisation in ~1.5 s.)
-* objective: ``sum c[n, s] x[n, s] + sum r[e, i, j] y[e, i, j]``, costs scaled to
-  integers (the largest coefficient becomes 1e7).
+* objective: ``sum c[n, s] x[n, s] + sum r[e, i, j] y[e, i, j] + sum w[k] z[k]``,
+  costs scaled to integers (the largest coefficient becomes 1e7); ``z[k]`` is a shared
+  cost's indicator, implied by each of its member strategies (``x => z``).
 * memory: ``constant + sum b[n, s] x[n, s] <= limit`` for every memory constraint.
 
 Presolve, shared by both backends and exact:
@@ -66,8 +67,7 @@ _VERBOSE = False  # solver logs (debugging only: they go to stdout)
 _DEE_ROUNDS = 20
 _PAIR_BLOCK = 1 << 22  # elements per block when comparing layout classes pairwise
 BACKENDS: tuple[str, ...] = ("cpsat", "highs")
-_SUBSOLVERS = ["max_lp", "core"]
-_EXTRA: dict = {}
+_SUBSOLVERS = ["max_lp", "core"]  # CP-SAT's full workers; the rest share the LNS slot
 
 
 @dataclass
@@ -79,6 +79,8 @@ class _Reduced:
     unary: dict[int, list[float]]  # representative -> cost per strategy
     # merged edges between distinct representatives: (src, dst, src_cls, dst_cls, matrix)
     edges: list[tuple[int, int, list[int], list[int], list[list[float]]]]
+    # shared costs: (seconds, representative -> member strategies)
+    shared: list[tuple[float, dict[int, set[int]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class _Compact:
     offset: float  # cost moved out of the variables (seconds)
     edges: list[_Edge]
     memory: list[tuple[float, dict[int, np.ndarray]]]  # (bytes, rep -> bytes per kept)
+    shared: list[tuple[float, dict[int, np.ndarray]]]  # (seconds, rep -> member mask)
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -144,12 +147,18 @@ def _reduce(problem: ShardingProblem) -> _Reduced:
     edges = []
     for (u, v), group in merged.items():
         su, sv = len(unary[u]), len(unary[v])
-        src_cls, src_keys = _classes([tuple(e.src_classes[s] for e in group) for s in range(su)])
-        dst_cls, dst_keys = _classes([tuple(e.dst_classes[s] for e in group) for s in range(sv)])
-        mat = [
-            [sum(e.costs[ki[k]][kj[k]] for k, e in enumerate(group)) for kj in dst_keys]
-            for ki in src_keys
-        ]
+        # A merged class is the tuple of the parallel edges' classes.
+        src_keys, src_inv = np.unique(
+            np.asarray([e.src_classes for e in group]).T, axis=0, return_inverse=True
+        )
+        dst_keys, dst_inv = np.unique(
+            np.asarray([e.dst_classes for e in group]).T, axis=0, return_inverse=True
+        )
+        src_cls, dst_cls = src_inv.ravel().tolist(), dst_inv.ravel().tolist()
+        total = np.zeros((len(src_keys), len(dst_keys)))
+        for k, e in enumerate(group):
+            total += np.asarray(e.costs, dtype=np.float64)[np.ix_(src_keys[:, k], dst_keys[:, k])]
+        mat = total.tolist()
         if len(src_keys) == 1 or len(dst_keys) == 1:
             # One side's layout never changes: the edge is a cost of the other side alone.
             if len(src_keys) == 1:
@@ -178,7 +187,14 @@ def _reduce(problem: ShardingProblem) -> _Reduced:
                     row[j] -= m
         if any(c > 0 for row in mat for c in row):
             edges.append((u, v, src_cls, dst_cls, mat))
-    return _Reduced(rep, reps, unary, edges)
+    shared = []
+    for sc in problem.shared:
+        members: dict[int, set[int]] = {}
+        for n, ss in sc.members:
+            members.setdefault(rep[n], set()).update(ss)
+        if sc.cost > 0 and members:
+            shared.append((sc.cost, members))
+    return _Reduced(rep, reps, unary, edges, shared)
 
 
 # ----------------------------------------------------------------------------- presolve
@@ -223,10 +239,12 @@ def _dead_end_elimination(
     """Alive mask per representative after Goldstein dead-end elimination to a fixpoint.
 
     Strategy ``s`` is eliminated by a surviving ``t`` of the same node when
-    ``c_t - c_s + sum_e max_j (M_e[t, j] - M_e[s, j]) <= tol`` (``j`` over the
-    neighbour's surviving layouts) and ``t`` needs no more bytes than ``s`` in every
-    memory constraint. Eliminations are sequential, each checked against the survivors
-    of the moment, so an optimal choice always survives (swap ``s`` for ``t`` in it).
+    ``c_t - c_s + sum_e max_j (M_e[t, j] - M_e[s, j]) + sum_k [t in k, s not in k] w_k
+    <= tol`` (``j`` over the neighbour's surviving layouts, ``k`` over shared costs:
+    ``t`` may switch one on that nothing else pays for) and ``t`` needs no more bytes
+    than ``s`` in every memory constraint. Eliminations are sequential, each checked
+    against the survivors of the moment, so an optimal choice always survives (swap
+    ``s`` for ``t`` in it).
     """
     unary = {r: np.asarray(red.unary[r], dtype=np.float64) for r in red.reps}
     alive = {r: np.ones(len(unary[r]), dtype=bool) for r in red.reps}
@@ -241,6 +259,14 @@ def _dead_end_elimination(
         for r, vec in terms.items():
             if vec.max() > vec.min():
                 mem[r].append(vec)
+    # extra[r][s, t]: shared costs t belongs to and s does not.
+    extra: dict[int, np.ndarray] = {}
+    for cost, members in red.shared:
+        for r, ss in members.items():
+            m = np.zeros(len(unary[r]))
+            m[sorted(ss)] = 1.0
+            e = extra.setdefault(r, np.zeros((len(m), len(m))))
+            e += cost * (1.0 - m)[:, None] * m[None, :]
     for _ in range(_DEE_ROUNDS):
         changed = False
         for r in red.reps:
@@ -249,6 +275,8 @@ def _dead_end_elimination(
                 continue
             c = unary[r][al]
             d = c[None, :] - c[:, None]  # d[s, t] = c_t - c_s
+            if r in extra:
+                d += extra[r][np.ix_(al, al)]
             for cls, m, other, ocls in adj[r]:
                 cols = np.unique(ocls[alive[other]])
                 rows, inv = np.unique(cls[al], return_inverse=True)
@@ -306,13 +334,22 @@ def _compact(
         offset += lo
         unary[r] = unary[r] - lo
     mem = [(const, {r: vec[keep[r]] for r, vec in terms.items()}) for const, terms in memory]
+    shared = []
+    for cost, members in red.shared:
+        masks = {}
+        for r, ss in members.items():
+            m = np.isin(keep[r], sorted(ss))
+            if m.any():
+                masks[r] = m
+        if masks:
+            shared.append((cost, masks))
     stats = {
         "strategies": sum(len(red.unary[r]) for r in red.reps),
         "kept": sum(len(k) for k in keep.values()),
         "edges": len(edges),
         "pairs": sum(e.mat.size for e in edges),
     }
-    return _Compact(red, keep, unary, offset, edges, mem, stats)
+    return _Compact(red, keep, unary, offset, edges, mem, shared, stats)
 
 
 def _presolve(problem: ShardingProblem, minimize: str, eliminate: bool = True) -> _Compact:
@@ -324,6 +361,7 @@ def _presolve(problem: ShardingProblem, minimize: str, eliminate: bool = True) -
     if minimize == "cost" and eliminate:
         top = max((abs(c) for u in red.unary.values() for c in u), default=0.0)
         top = max([top] + [c for *_, mat in red.edges for row in mat for c in row])
+        top = max([top] + [c for c, _ in red.shared])
         alive = _dead_end_elimination(red, memory, 1e-12 * top)
     else:
         alive = {r: np.ones(len(red.unary[r]), dtype=bool) for r in red.reps}
@@ -340,7 +378,13 @@ def _local_search(cp: _Compact, start: dict[int, int], max_passes: int = 50) -> 
     for e in cp.edges:
         adj[e.src].append((e.src_cls, e.mat, e.dst, e.dst_cls))
         adj[e.dst].append((e.dst_cls, e.mat.T, e.src, e.src_cls))
+    charges: dict[int, list[tuple[int, float, np.ndarray]]] = {r: [] for r in cp.keep}
+    for k, (cost, masks) in enumerate(cp.shared):
+        for r, m in masks.items():
+            charges[r].append((k, cost, m))
     choice = dict(start)
+    # How many representatives' current strategies belong to each shared cost.
+    active = [sum(int(m[choice[r]]) for r, m in masks.items()) for _, masks in cp.shared]
     for _ in range(max_passes):
         changed = False
         for r, u in cp.unary.items():
@@ -349,8 +393,13 @@ def _local_search(cp: _Compact, start: dict[int, int], max_passes: int = 50) -> 
             local = u.copy()
             for cls, m, other, ocls in adj[r]:
                 local += m[cls, ocls[choice[other]]]
+            for k, cost, m in charges[r]:
+                if active[k] - int(m[choice[r]]) == 0:  # nobody else pays for it
+                    local += cost * m
             best = int(np.argmin(local))
             if local[best] < local[choice[r]] - 1e-15:
+                for k, _, m in charges[r]:
+                    active[k] += int(m[best]) - int(m[choice[r]])
                 choice[r] = best
                 changed = True
         if not changed:
@@ -467,7 +516,7 @@ def objective_lower_bound(problem: ShardingProblem) -> float:
 
 def _objective_scale(cp: _Compact) -> float:
     top = max((float(u.max()) for u in cp.unary.values() if len(u)), default=0.0)
-    top = max([top] + [float(e.mat.max()) for e in cp.edges])
+    top = max([top] + [float(e.mat.max()) for e in cp.edges] + [c for c, _ in cp.shared])
     return _MAX_COEF / top if top > 0 else 1.0
 
 
@@ -518,6 +567,17 @@ def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
         for i, j in zip(*np.nonzero(w), strict=True):
             obj_vars.append(y[i][j])
             obj_coefs.append(int(w[i, j]))
+    if minimize == "cost":
+        for cost, masks in cp.shared:
+            w = round(cost * scale)
+            if not w:
+                continue
+            z = model.new_bool_var("")
+            for r, m in masks.items():
+                for s in np.flatnonzero(m):
+                    model.add_implication(x[r][s], z)
+            obj_vars.append(z)
+            obj_coefs.append(w)
     if cp.memory:
         unit = _memory_unit(cp, problem.memory_limit)
         peak = None
@@ -553,9 +613,10 @@ def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
     p.log_search_progress = _VERBOSE
     p.cp_model_probing_level = 0
     p.cp_model_presolve = False
-    p.subsolvers.extend(_SUBSOLVERS)
-    for k, v in _EXTRA.items():
-        setattr(p, k, v)
+    if p.num_workers > 1:
+        p.subsolvers.extend(_SUBSOLVERS)
+    else:
+        p.linearization_level = 2  # the one worker gets max_lp's full relaxation
     status = solver.solve(model)
     if status == cp_model.INFEASIBLE:
         return None, "infeasible", 0.0
@@ -567,7 +628,9 @@ def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
                 "backend='highs'."
             )
         return None, "unknown", 0.0
-    picked = {r: next(s for s, v in enumerate(xs) if solver.boolean_value(v)) for r, xs in x.items()}
+    picked = {
+        r: next(s for s, v in enumerate(xs) if solver.boolean_value(v)) for r, xs in x.items()
+    }
     bound = 0.0
     if minimize == "cost":
         bound = solver.best_objective_bound / scale + cp.offset
@@ -625,6 +688,12 @@ def _solve_highs(problem, cp: _Compact, time_limit_s, minimize):
         for j in range(n_cols):
             members = x[e.dst][e.dst_cls == j]
             new_row(0.0, 0.0, [*y[:, j], *members], [1.0] * n_rows + [-1.0] * len(members))
+    if minimize == "cost":
+        for cost, masks in cp.shared:
+            z = int(new_vars([cost * scale], False)[0])
+            for r, m in masks.items():
+                for s in np.flatnonzero(m):
+                    new_row(0.0, inf, [z, x[r][s]], [1.0, -1.0])
     if cp.memory:
         unit = _memory_unit(cp, problem.memory_limit)
         peak = None

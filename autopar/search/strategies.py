@@ -38,7 +38,7 @@ from autopar.search.sharding import (
     reshape_sharding,
     shards,
 )
-from autopar.trace.graph import Node, TensorInfo
+from autopar.trace.graph import Node
 
 Tag = tuple[str, tuple[str, ...]]
 IO = tuple[tuple[bool, ...], tuple[bool, ...]]

@@ -16,7 +16,7 @@ from autopar.options import SearchOptions
 from autopar.plan import ActivationConstraint, Plan, TensorSharding
 from autopar.search import evaluate_plan, plan_graph
 from autopar.trace import trace
-from cost_models import Cluster
+from cost_models import Cluster, collective_time
 from tests.search.models import mlp, moe
 
 FOUR = Cluster.preset("dgx-a100-80gb", devices_per_node=4)
@@ -115,10 +115,15 @@ def test_hand_written_data_parallel_plan_is_scored_and_beaten(mlp_batch_heavy):
         activations=tuple(ActivationConstraint(n.id, 0, ("data", None)) for n in forward),
     )  # fmt: skip
     ev = evaluate_plan(g, dp, FOUR)
-    # Each weight gradient is all-reduced once: 2 x 256 x 256 fp32 = 512 KiB.
+    # Each weight gradient is all-reduced once: 2 x 256 x 256 fp32 = 512 KiB, and XLA
+    # combines the two independent all-reduces into one: one latency, both payloads.
     grads = [c for c in ev.collectives if c.where == "dp_grad"]
     assert [c.kind for c in grads] == ["all-reduce"]
     assert grads[0].bytes == pytest.approx(2 * 256 * 256 * 4)
+    assert grads[0].count == 2  # as the partitioner emits them, before combining
+    one = collective_time("all-reduce", 256 * 256 * 4, FOUR, {"data": 4}, ["data"])
+    latency = collective_time("all-reduce", 1, FOUR, {"data": 4}, ["data"])
+    assert grads[0].time_s == pytest.approx(2 * one - latency)
     assert ev.memory_breakdown["params"] == pytest.approx(2 * 256 * 256 * 4)  # replicated
     best = plan_graph(g, FOUR, SearchOptions(mesh={"data": 4}))
     assert best.predicted.objective <= ev.objective_s * (1 + 1e-9)

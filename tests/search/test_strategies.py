@@ -5,7 +5,7 @@ import pytest
 from autopar.search.costs import CostContext
 from autopar.search.strategies import enumerate_strategies, follow_strategy
 from autopar.trace.graph import Node, TensorInfo
-from cost_models import Cluster, collective_time
+from cost_models import Cluster, collective_time, compute_time
 
 CLUSTER = Cluster.preset("dgx-a100-80gb")
 F32 = "float32"
@@ -120,3 +120,37 @@ def test_transpose_and_broadcast_move_the_sharding():
     assert follow_strategy(t, 0, (("x",), ()), ctx).outs == (((), ("x",)),)
     b = _node("broadcast_in_dim", [(4,)], [(8, 4)], shape=(8, 4), broadcast_dimensions=(1,))
     assert follow_strategy(b, 0, (("x",),), ctx).outs == (((), ("x",)),)
+
+
+def test_elementwise_broadcasts_size_one_dims():
+    # LayerNorm's x - mean: x [8, 4, 6] split on the batch, mean [8, 4, 1] follows it on
+    # the batch (no gather of the statistics) and stays whole on its size-1 dim.
+    ctx = CostContext(CLUSTER, {"x": 2})
+    sub = _node("sub", [(8, 4, 6), (8, 4, 1)], [(8, 4, 6)])
+    x = ("x",)
+    s = follow_strategy(sub, 0, (x, (), ()), ctx)
+    assert s.ins == ((x, (), ()), (x, (), ()))
+    assert s.outs == ((x, (), ()),)
+    # A hidden-split x cannot split mean's size-1 hidden dim: mean stays whole there.
+    s = follow_strategy(sub, 0, ((), (), x), ctx)
+    assert s.ins == (((), (), x), ((), (), ())) and s.outs == (((), (), x),)
+    # Neither operand has the result's shape (scale [1, 1, 6] x rstd [8, 4, 1]): the op
+    # can still follow the statistics' layout.
+    mul = _node("mul", [(8, 4, 1), (1, 1, 6)], [(8, 4, 6)])
+    s = follow_strategy(mul, 0, (x, (), ()), ctx)
+    assert s.ins == ((x, (), ()), ((), (), ())) and s.outs == ((x, (), ()),)
+
+
+def test_fused_values_cost_no_hbm_traffic():
+    # An elementwise op whose operand and result stay in registers (io says so) moves no
+    # bytes; the same op reading and writing HBM pays (in + out) / bandwidth.
+    ctx = CostContext(CLUSTER, {"x": 2})
+    n = 1 << 20
+    tanh = _node("tanh", [(n,)], [(n,)], float(n))
+    spec = ((),)
+    fused = follow_strategy(tanh, 0, spec, ctx, ((False,), (False,)))
+    alone = follow_strategy(tanh, 0, spec, ctx)
+    dev = CLUSTER.device
+    assert alone.compute_s == pytest.approx(compute_time(n, 8 * n, dev, "float32", "elementwise"))
+    assert fused.compute_s == pytest.approx(compute_time(n, 0, dev, "float32", "elementwise"))
+    assert fused.compute_s < alone.compute_s / 10
