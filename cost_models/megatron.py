@@ -571,7 +571,7 @@ def _print_tables() -> None:  # pragma: no cover - CLI output
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=200)
     for title, rows in (
         ("Megatron-LM 2021 Table 1 (PTD-P, weak scaling)", table1()),
         ("Megatron-LM 2021 Table 2 (PTD-P vs ZeRO-3)", table2()),
