@@ -24,7 +24,10 @@ Steps (one :class:`ProblemBuilder` per graph and mesh):
 3. **Price.** A group's strategy = its leader's strategy plus what each follower does
    with the layout it receives: cost = sum of (compute + collectives) x trip count, plus
    resharding between ops inside the group. Reads across groups become edges with a
-   resharding cost per (producer layout, consumer layout) class pair.
+   resharding cost per (producer layout, consumer layout) class pair. Memory-bound ops
+   count only the bytes XLA's fusion leaves in HBM (``fusion.hbm_io``). Gradient
+   reductions pay their bandwidth in the strategy and their latency once per scope and
+   device group (a :class:`~autopar.search.problem.SharedCost`: XLA combines them).
 4. **Memory.** Inputs are live throughout (outputs that replace an input reuse its
    buffer, i.e. the step donates its state); every other value from its producer to its
    last consumer; inside a scan the body's largest live set rides on top. A few peak

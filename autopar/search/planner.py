@@ -1,11 +1,16 @@
 """The outer loop: pick a mesh, solve the sharding ILP on it, and write the Plan.
 
-:func:`plan_graph` enumerates factorisations of the device count over mesh axes (unless
-``SearchOptions.mesh`` fixes one), builds each mesh's :class:`ShardingProblem`, ranks the
-meshes by a quick lower bound (every group at its cheapest strategy, edges and memory
-ignored), solves at most ``max_meshes`` of them in that order (skipping those whose bound
-cannot beat the best step time found) and keeps the plan with the lowest predicted step
-time that fits the per-device memory bound.
+:func:`plan_graph` enumerates factorisations of the device count over the mesh axes that
+can mean something for the graph (:func:`offered_axes`: ``data`` and ``tensor``, plus
+``expert`` only with an expert dimension and ``seq`` only when a sequence dimension needs
+it; ``fsdp`` only on request, since parameters sharded over ``data`` are ZeRO-3), unless
+``SearchOptions.mesh`` fixes one. It builds each mesh's :class:`ShardingProblem`, ranks
+the meshes by a step-time lower bound (the solver's presolve bound: edge minima moved onto
+the nodes, every node at its cheapest strategy), solves at most ``max_meshes`` of them in
+that order, skips those whose bound cannot beat the best step time found, gives those
+whose bound is well above it a quarter of the time limit, and keeps the plan with the
+lowest predicted step time that fits the per-device memory bound. Axes are named by role
+once solved (``data`` for the batch, ``tensor`` for model dims, ...), outer -> inner.
 
 Example:
     >>> plan = plan_graph(autopar.trace(step, state, batch),            # doctest: +SKIP
