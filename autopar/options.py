@@ -20,6 +20,9 @@ from autopar.errors import InvalidOptionError
 AXIS_NAMES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
 """Mesh axes autopar knows, outer -> inner (inner axes land on the fastest links)."""
 
+AUTO_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "seq", "tensor")
+"""The axes the search picks from when ``SearchOptions.axes`` is ``None``."""
+
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 Remat = Literal["none", "selective", "full"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -44,7 +47,9 @@ class SearchOptions:
         mesh: fix the mesh, an ordered mapping axis -> size, e.g. ``{"data": 2, "tensor": 4}``
             (axis order is outer -> inner). ``None``: try the factorisations of the device
             count over ``axes``.
-        axes: the axes the search may use when ``mesh`` is not given.
+        axes: the axes the search may use when ``mesh`` is not given; ``None`` lets the
+            search choose from ``AUTO_AXES`` by what the graph can use (``expert`` only with
+            an expert dimension, ``seq`` only for long sequences or small batches).
         memory_limit_bytes: per-device memory bound; default is the device's capacity.
         pipeline_stages: fix the number of pipeline stages (``1`` disables pipelining).
         microbatches: fix the number of pipeline microbatches.
@@ -57,7 +62,7 @@ class SearchOptions:
     """
 
     mesh: Mapping[str, int] | None = None
-    axes: tuple[str, ...] = ("data", "fsdp", "tensor", "seq", "expert")
+    axes: tuple[str, ...] | None = None
     memory_limit_bytes: int | None = None
     pipeline_stages: int | None = None
     microbatches: int | None = None
@@ -85,10 +90,13 @@ class SearchOptions:
                         f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1."
                     )
             object.__setattr__(self, "mesh", dict(self.mesh))
-        bad = [a for a in self.axes if a not in AXIS_NAMES]
-        if bad:
-            raise InvalidOptionError(f"axes {bad} are unknown; use names from {AXIS_NAMES}.")
-        object.__setattr__(self, "axes", tuple(self.axes))
+        if self.axes is not None:
+            bad = [a for a in self.axes if a not in AXIS_NAMES]
+            if bad or not self.axes:
+                raise InvalidOptionError(
+                    f"axes={self.axes!r}: give a non-empty tuple of names from {AXIS_NAMES}."
+                )
+            object.__setattr__(self, "axes", tuple(self.axes))
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("remat", self.remat, REMATS)
         _check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -105,7 +113,7 @@ class SearchOptions:
 
     def to_dict(self) -> dict:
         d = asdict(self) if self.mesh is None else {**asdict(self), "mesh": dict(self.mesh)}
-        d["axes"] = list(self.axes)
+        d["axes"] = list(self.axes) if self.axes is not None else None
         return d
 
     def cache_key(self) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import InfeasiblePlanError, InvalidOptionError
-from autopar.options import AXIS_NAMES, SearchOptions
+from autopar.options import AUTO_AXES, AXIS_NAMES, SearchOptions
 from autopar.plan import ActivationConstraint, LayerStrategy, Plan, TensorSharding
 from autopar.search.costs import CostContext
 from autopar.search.evaluate import Evaluation, decode
@@ -152,22 +152,24 @@ def _scanned_inputs(graph: Graph) -> set[int]:
 def offered_axes(graph: Graph | None, num_devices: int, options: SearchOptions) -> tuple[str, ...]:
     """The mesh axes worth searching for ``graph`` (outer -> inner, ``pipe`` excluded).
 
-    With the default ``SearchOptions.axes``: ``data`` and ``tensor`` always; ``expert``
+    With ``SearchOptions.axes=None`` (the default): ``data`` and ``tensor`` always; ``expert``
     only when some parameter has an expert dimension (:func:`expert_dims`); ``seq`` only
     when a sequence dimension could use it (the batch is smaller than the device count,
     or sequences are at least 4096 long); ``fsdp`` never: sharding parameters and
     optimizer state over ``data`` *is* ZeRO-3/FSDP, and a second axis for the same role
-    only doubles the space. Axes the user lists explicitly (``axes=`` different from the
-    default) are all offered.
+    only doubles the space. Axes the user lists explicitly (``axes=(...)``) are all
+    offered.
 
     Example:
         >>> offered_axes(dense_gpt_graph, 8, SearchOptions())      # doctest: +SKIP
         ('data', 'tensor')
     """
-    requested = tuple(a for a in options.axes if a != "pipe")
-    default = SearchOptions.__dataclass_fields__["axes"].default
-    if graph is None or tuple(options.axes) != tuple(default):
+    if options.axes is not None:  # the user listed axes: offer exactly those
+        requested = tuple(a for a in options.axes if a != "pipe")
         return tuple(sorted(requested, key=AXIS_NAMES.index))
+    requested = AUTO_AXES
+    if graph is None:
+        return requested
     keep = {"data", "tensor"}
     batch = graph.inputs_by_role("batch")
     if any(t.tensor.ndim >= 2 and t.tensor.shape[1] > 1 for t in batch):

@@ -25,7 +25,8 @@ def test_mesh_is_ordered_and_copied():
         ({"zero_stage": 4}, "zero_stage"),
         ({"memory_limit_bytes": -1}, "positive"),
         ({"microbatches": 0}, "integer >= 1"),
-        ({"axes": ("data", "model")}, "unknown"),
+        ({"axes": ("data", "model")}, "names from"),
+        ({"axes": ()}, "non-empty"),
     ],
 )
 def test_bad_options_are_refused(kwargs, message):
