@@ -13,10 +13,7 @@ what ``plan.predicted.collectives`` said with what XLA emitted:
   :data:`UNPLANNED_SHARE` of the step's collective bytes fails the check;
 * peak memory per device: ``plan.predicted.memory_bytes_per_device`` against
   ``memory_analysis()`` (argument + output + temp - alias, compiled with CPU scratch
-  counted) within :data:`MEMORY_TOLERANCE`. The prediction assumes the step updates its
-  state in place; when the program does not donate it, the state bytes XLA did not alias
-  (parameters, optimizer and model state at their planned shardings, minus
-  ``alias_size``) are added to the predicted side.
+  counted) within :data:`MEMORY_TOLERANCE`.
 
 Counts are shown but not checked: XLA emits one collective per tensor where a cost model
 may price a fused bucket.
@@ -28,15 +25,13 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 
-from autopar.plan import Plan, spec_axes
+from autopar.plan import Plan
 from autopar.verify.hlo import (
     KINDS,
     HloCollective,
@@ -108,9 +103,6 @@ class MemoryRow:
     output_bytes: float
     temp_bytes: float
     alias_bytes: float
-    undonated_bytes: float = 0.0
-    """State bytes the program keeps twice because it does not donate them (added to the
-    prediction, which assumes in-place updates)."""
 
     @property
     def checked(self) -> bool:
@@ -212,11 +204,6 @@ class VerifyReport:
                 f"{_fmt_bytes(m.output_bytes)} + temp {_fmt_bytes(m.temp_bytes)} - alias "
                 f"{_fmt_bytes(m.alias_bytes)}"
             )
-            if m.undonated_bytes:
-                lines.append(
-                    f"predicted peak includes {_fmt_bytes(m.undonated_bytes)} of state kept "
-                    "twice because it is not donated (donate_argnums)"
-                )
         lines.extend(f"note: {n}" for n in self.notes)
         lines.append(f"ok: {self.ok}")
         return "\n".join(lines)
@@ -241,9 +228,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f}"
 
 
-def _memory(
-    obj: Any, args: Sequence[Any], predicted: float, state_bytes: float = 0.0
-) -> MemoryRow | None:
+def _memory(obj: Any, args: Sequence[Any], predicted: float) -> MemoryRow | None:
     stats = None
     if hasattr(obj, "memory_analysis") and hasattr(obj, "abstract_args"):
         stats = obj.memory_analysis(*args)  # LoweredStep: compiled with scratch counted
@@ -257,31 +242,7 @@ def _memory(
         return None
     arg, out = float(stats.argument_size_in_bytes), float(stats.output_size_in_bytes)
     temp, alias = float(stats.temp_size_in_bytes), float(stats.alias_size_in_bytes)
-    # The cost model assumes the step updates its state in place (outputs reuse the input
-    # buffers). A program that does not donate its state keeps both copies alive; count the
-    # state bytes XLA did not alias on the predicted side too, so like is compared to like.
-    undonated = max(0.0, state_bytes - alias)
-    return MemoryRow(
-        predicted + undonated, arg + out + temp - alias, arg, out, temp, alias, undonated
-    )
-
-
-_STATE_ROLES = ("param", "opt_state", "model_state")
-
-
-def state_bytes_per_device(plan: Plan) -> float:
-    """Bytes per device of the inputs a step replaces (parameters, optimizer and model
-    state), at their planned shardings."""
-    total = 0.0
-    for rec in plan.inputs:
-        if rec.role not in _STATE_ROLES:
-            continue
-        shards = 1
-        for axis in spec_axes(rec.spec):
-            shards *= plan.mesh.get(axis, 1)
-        itemsize = 1 if rec.dtype in ("bool", "float0") else np.dtype(rec.dtype).itemsize
-        total += math.prod(rec.shape) * itemsize / shards
-    return total
+    return MemoryRow(predicted, arg + out + temp - alias, arg, out, temp, alias)
 
 
 def verify(
@@ -362,12 +323,7 @@ def verify(
         notes.append("the plan carries no prediction: score it with autopar.evaluate first")
     memory = None
     if check_memory:
-        memory = _memory(
-            lowered,
-            args,
-            float(plan.predicted.memory_bytes_per_device),
-            state_bytes_per_device(plan),
-        )
+        memory = _memory(lowered, args, float(plan.predicted.memory_bytes_per_device))
     return VerifyReport(
         plan_name=plan.name,
         rows=tuple(rows),
