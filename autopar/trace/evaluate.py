@@ -24,8 +24,8 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
-from autopar.errors import TraceFunctionError
 from autopar._compat import COMPOSITE_BODY_PARAMS, eqn_context
+from autopar.errors import TraceFunctionError
 from autopar.trace.graph import Graph, Node
 
 Hook = Callable[[Node, list[Any]], Sequence[Any]]

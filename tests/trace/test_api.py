@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 
-import autopar
 from autopar.errors import TraceFunctionError
 from autopar.trace import Graph, trace
 
