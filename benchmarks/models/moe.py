@@ -38,7 +38,13 @@ import optax
 
 from benchmarks.models.gpt import _INIT_STD, CausalSelfAttention, FeedForward
 from benchmarks.models.precision import AdamW, Precision, check_precision, compute_dtype
-from benchmarks.models.train_step import StepFn, build_args, build_step_fn
+from benchmarks.models.train_step import (
+    StepFn,
+    build_args,
+    build_step_fn,
+    random_token_batch,
+    token_batch_spec,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,15 +349,12 @@ def loss_fn(config: MoEConfig, params: Any, batch: dict[str, jax.Array]) -> jax.
 
 def batch_spec(config: MoEConfig, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes of a token batch: ``{"tokens", "targets"}``, both ``int32[B, S]``."""
-    shape = (batch_size, config.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("tokens", "targets")}
+    return token_batch_spec(config.seq_len, batch_size)
 
 
 def random_batch(config: MoEConfig, batch_size: int, key: jax.Array) -> dict[str, jax.Array]:
     """Uniform random tokens; targets are the tokens shifted left by one (next token)."""
-    seq = jax.random.randint(key, (batch_size, config.seq_len + 1), 0, config.vocab_size)
-    seq = seq.astype(jnp.int32)
-    return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+    return random_token_batch(config.seq_len, config.vocab_size, batch_size, key)
 
 
 def make_train_step(

@@ -130,3 +130,22 @@ def build_args(
         if leaf.shape != spec.shape or leaf.dtype != spec.dtype:
             raise AssertionError(f"batch[{name!r}] is {leaf.shape} {leaf.dtype}, spec {spec}")
     return state, batch
+
+
+def token_batch_spec(seq_len: int, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of a language-model batch: ``{"tokens", "targets"}``, both ``int32[B, S]``.
+
+    Example:
+        >>> token_batch_spec(16, 2)["tokens"].shape
+        (2, 16)
+    """
+    shape = (batch_size, seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("tokens", "targets")}
+
+
+def random_token_batch(
+    seq_len: int, vocab_size: int, batch_size: int, key: jax.Array
+) -> dict[str, jax.Array]:
+    """Uniform random tokens; targets are the tokens shifted left by one (next token)."""
+    seq = jax.random.randint(key, (batch_size, seq_len + 1), 0, vocab_size).astype(jnp.int32)
+    return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
