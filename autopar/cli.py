@@ -57,7 +57,10 @@ def _model_step(model: str, preset: str | None, batch: int, abstract: bool):
         for n in dir(mod)
         if n.endswith("Config") and n != "Config" and not n.startswith("_")
     )
-    config = config_cls.preset(preset or "tiny")
+    try:
+        config = config_cls.preset(preset or "tiny")
+    except ValueError as e:  # the zoo does not depend on autopar, so it raises ValueError
+        raise InvalidOptionError(f"--preset {preset!r}: {e}") from e
     return mod.make_train_step(config, batch, abstract=abstract)
 
 
