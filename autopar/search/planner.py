@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.errors import InfeasiblePlanError, InvalidOptionError
+from autopar.errors import InfeasiblePlanError, InvalidOptionError, SolveShardingError
 from autopar.options import AUTO_AXES, AXIS_NAMES, SearchOptions
 from autopar.plan import ActivationConstraint, LayerStrategy, Plan, TensorSharding
 from autopar.search.costs import CostContext
@@ -613,7 +613,8 @@ def plan_graph(
                 f"({(low / limit - 1) * 100:.1f}%) over. Use more devices, a larger "
                 "memory_limit_bytes, or a smaller batch."
             )
-        raise InfeasiblePlanError(
+        # Nothing proved infeasible: the solver ran out of time before finding any plan.
+        raise SolveShardingError(
             f"no plan found within {options.solver_time_limit_s} s on meshes "
             f"{[r.mesh for r in tried]}; raise solver_time_limit_s."
         )
