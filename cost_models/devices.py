@@ -233,6 +233,15 @@ _H100_SRC = (
     "FP32 67 TFLOP/s; "
 )
 
+# H100 SXM and H200 SXM share the Hopper tensor cores (dense, no sparsity): datasheets.
+_HOPPER_PEAK_FLOPS: dict[str, float] = {
+    "bfloat16": 989e12,
+    "float16": 989e12,
+    "tf32": 494.5e12,
+    "float8": 1979e12,
+    "int8": 1979e12,
+}
+
 _CATALOG: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         name="a100-40gb",
@@ -257,13 +266,7 @@ _CATALOG: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         name="h100-sxm",
         kind="gpu",
-        peak_flops={
-            "bfloat16": 989e12,
-            "float16": 989e12,
-            "tf32": 494.5e12,
-            "float8": 1979e12,
-            "int8": 1979e12,
-        },
+        peak_flops=_HOPPER_PEAK_FLOPS,
         hbm_bytes=80 * 10**9,
         hbm_bandwidth=3350e9,
         vector_flops=67e12,
@@ -273,13 +276,7 @@ _CATALOG: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         name="h200-sxm",
         kind="gpu",
-        peak_flops={
-            "bfloat16": 989e12,
-            "float16": 989e12,
-            "tf32": 494.5e12,
-            "float8": 1979e12,
-            "int8": 1979e12,
-        },
+        peak_flops=_HOPPER_PEAK_FLOPS,
         hbm_bytes=141 * 10**9,
         hbm_bandwidth=4800e9,
         vector_flops=67e12,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks.models.precision import AdamW, Precision, check_precision, compute_dtype
+from benchmarks.models.presets import lookup_preset
 from benchmarks.models.train_step import (
     StepFn,
     build_args,
@@ -144,9 +145,7 @@ class GPTConfig:
         Raises:
             ValueError: ``name`` is not in :data:`GPT_PRESETS`.
         """
-        if name not in GPT_PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; known: {sorted(GPT_PRESETS)}")
-        return dataclasses.replace(GPT_PRESETS[name], **overrides)
+        return lookup_preset("GPT", GPT_PRESETS, name, overrides)
 
 
 def _gpt(v: int, s: int, h: int, l: int, a: int, **kw: Any) -> GPTConfig:  # noqa: E741

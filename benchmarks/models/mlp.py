@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.models.precision import AdamW, Precision, check_precision
+from benchmarks.models.presets import lookup_preset
 from benchmarks.models.train_step import StepFn, build_args, build_step_fn
 
 Activation = Literal["relu", "gelu", "tanh"]
@@ -71,9 +72,7 @@ class MLPConfig:
         Raises:
             ValueError: ``name`` is not in :data:`MLP_PRESETS`.
         """
-        if name not in MLP_PRESETS:
-            raise ValueError(f"unknown MLP preset {name!r}; known: {sorted(MLP_PRESETS)}")
-        return dataclasses.replace(MLP_PRESETS[name], **overrides)
+        return lookup_preset("MLP", MLP_PRESETS, name, overrides)
 
 
 MLP_PRESETS: dict[str, MLPConfig] = {

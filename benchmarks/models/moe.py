@@ -38,6 +38,7 @@ import optax
 
 from benchmarks.models.gpt import _INIT_STD, CausalSelfAttention, FeedForward
 from benchmarks.models.precision import AdamW, Precision, check_precision, compute_dtype
+from benchmarks.models.presets import lookup_preset
 from benchmarks.models.train_step import (
     StepFn,
     build_args,
@@ -135,9 +136,7 @@ class MoEConfig:
         Raises:
             ValueError: ``name`` is not in :data:`MOE_PRESETS`.
         """
-        if name not in MOE_PRESETS:
-            raise ValueError(f"unknown MoE preset {name!r}; known: {sorted(MOE_PRESETS)}")
-        return dataclasses.replace(MOE_PRESETS[name], **overrides)
+        return lookup_preset("MoE", MOE_PRESETS, name, overrides)
 
 
 def _alpa(h: int, l: int, e: int) -> MoEConfig:  # noqa: E741

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks.models.precision import AdamW, Precision, check_precision, compute_dtype
+from benchmarks.models.presets import lookup_preset
 from benchmarks.models.train_step import StepFn, build_args, build_step_fn
 
 # Blocks per stage of the bottleneck ResNets (He et al. 2016, table 1), plus shallow ones
@@ -96,9 +97,7 @@ class WideResNetConfig:
         Raises:
             ValueError: ``name`` is not in :data:`WRN_PRESETS`.
         """
-        if name not in WRN_PRESETS:
-            raise ValueError(f"unknown Wide-ResNet preset {name!r}; known: {sorted(WRN_PRESETS)}")
-        return dataclasses.replace(WRN_PRESETS[name], **overrides)
+        return lookup_preset("Wide-ResNet", WRN_PRESETS, name, overrides)
 
 
 WRN_PRESETS: dict[str, WideResNetConfig] = {
