@@ -86,17 +86,16 @@ CASES: dict[str, tuple[Callable[[], tuple[Callable, tuple]], str, dict[str, int]
 
 def _evaluator() -> Callable[[Any, Any], Any] | None:
     try:
-        from autopar.search import evaluate_plan
+        from autopar.search import complete_plan
         from cost_models import Cluster
     except ImportError as e:
         print(f"(no cost-model predictions: {e})", file=sys.stderr)
         return None
     cluster = Cluster.preset("dgx-a100-80gb")
-    return lambda graph, plan: evaluate_plan(graph, plan, cluster)
+    return lambda graph, plan: complete_plan(graph, plan, cluster)
 
 
 def run_case(name: str, evaluate: Callable | None) -> tuple[Any, dict[str, float]]:
-    import dataclasses
 
     from autopar.lower import lower_plan
     from autopar.trace import trace
@@ -111,8 +110,7 @@ def run_case(name: str, evaluate: Callable | None) -> tuple[Any, dict[str, float
     t["trace+plan_s"] = time.perf_counter() - t0
     if evaluate is not None:
         t0 = time.perf_counter()
-        predicted = evaluate(graph, plan).to_predicted()
-        plan = dataclasses.replace(plan, predicted=predicted)
+        plan = evaluate(graph, plan)
         t["evaluate_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     lowered = lower_plan(step, plan, args, graph=graph)

@@ -13,7 +13,7 @@ Example:
     (1,)
 """
 
-from autopar.search.evaluate import Evaluation, evaluate_plan
+from autopar.search.evaluate import Evaluation, complete_plan, evaluate_plan
 from autopar.search.planner import candidate_meshes, plan_graph
 from autopar.search.problem import (
     MemoryConstraint,
@@ -34,6 +34,7 @@ __all__ = [
     "ShardingSolution",
     "SharedCost",
     "candidate_meshes",
+    "complete_plan",
     "evaluate_plan",
     "plan_graph",
     "solve",

@@ -19,10 +19,10 @@ from types import MappingProxyType
 from typing import Any
 
 from autopar.errors import InvalidOptionError, LoadPlanError
-from autopar.plan import Plan, Predicted, PredictedCollective
+from autopar.plan import ActivationConstraint, Plan, Predicted, PredictedCollective
 from autopar.search.costs import CostContext
 from autopar.search.ilp import BuiltProblem, ProblemBuilder, collective_class, objective_weight
-from autopar.search.sharding import Collective, Sharding, from_plan_spec
+from autopar.search.sharding import Collective, Sharding, from_plan_spec, to_plan_spec
 from autopar.search.solver import solve
 from autopar.trace.graph import Graph
 
@@ -243,6 +243,38 @@ def decode(
     )
 
 
+def rename_spec(spec: Sharding, rename: Mapping[str, str]) -> Sharding:
+    """``spec`` with its mesh axes renamed (problem axis names -> the plan's)."""
+    return tuple(tuple(rename.get(a, a) for a in dim) for dim in spec)
+
+
+def pinned_activations(
+    bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str] | None = None
+) -> tuple[ActivationConstraint, ...]:
+    """Pin every group leader's results: with them fixed, XLA's propagation (and
+    :func:`evaluate_plan`) lands on the layouts the ILP chose for the followers too."""
+    rename = dict(rename or {})
+    out = []
+    for group in bp.groups:
+        op = bp.ops[group.ops[0]]
+        if op.kind != "node" or op.node.id < 0:
+            continue
+        st = bp.strategy(op.index, choice)
+        for port, spec in enumerate(st.outs):
+            if not op.node.out_tensors[port].ndim:
+                continue
+            out.append(
+                ActivationConstraint(
+                    op.node.id,
+                    port,
+                    to_plan_spec(rename_spec(spec, rename)),
+                    op.scope,
+                    op.node.name_stack,
+                )
+            )
+    return tuple(out)
+
+
 def plan_constraints(graph: Graph, plan: Plan) -> tuple[dict[int, Sharding], dict]:
     """The plan's input layouts (by graph input index) and pinned activations."""
     if len(plan.inputs) != len(graph.inputs):
@@ -287,41 +319,19 @@ def _resolve_constraints(graph: Graph, raw: dict) -> dict:
     return out
 
 
-def evaluate_plan(
-    graph: Graph,
-    plan: Plan,
-    cluster: Any,
-    *,
-    time_limit_s: float = 60.0,
-    coarsen: bool = True,
-    memory_limit_bytes: float | None = None,
-) -> Evaluation:
-    """Score ``plan`` for ``graph`` on ``cluster`` with the planner's cost model.
+PROPAGATION_PENALTY = 1.0
+"""How the completion solve mimics XLA's sharding propagation, in units of one
+all-reduce's latency over the whole mesh: a forward or backward op doing all its work on
+every device costs this much more in the objective than one split over all devices
+(proportionally in between). So a value keeps the partitioning it inherits rather than
+being gathered to save a small collective (what propagation does), while no op is
+resharded with a collective of its own just to split it further. Reported times never
+include it."""
 
-    Input layouts and pinned activations come from the plan; every other value takes the
-    cheapest layout consistent with them (like XLA's propagation).
 
-    Args:
-        graph: the traced step the plan is for.
-        plan: any plan (from :func:`plan_graph` or written by hand).
-        cluster: a ``cost_models.Cluster``.
-        time_limit_s: limit of the completion solve.
-        coarsen: as in ``SearchOptions.coarsen`` (keep it equal to the planner's).
-        memory_limit_bytes: report whether the plan fits this bound (``Evaluation.fits``).
-
-    Returns:
-        The breakdown. ``objective_s`` equals the planner's ``Predicted.objective`` for
-        plans it made.
-
-    Raises:
-        LoadPlanError: the plan does not match the graph's inputs or mesh.
-        InvalidOptionError: the plan pipelines (not supported yet).
-
-    Example:
-        >>> dp = Plan(mesh={"data": 8}, inputs=...)                   # doctest: +SKIP
-        >>> evaluate_plan(graph, dp, cluster).step_time_s              # doctest: +SKIP
-        0.0123
-    """
+def _complete(
+    graph: Graph, plan: Plan, cluster: Any, time_limit_s: float, coarsen: bool
+) -> tuple[BuiltProblem, Any]:
     if plan.pipeline is not None and plan.pipeline.num_stages > 1:
         raise InvalidOptionError(
             "pipelined plans cannot be evaluated yet (pipelining is a later stage)."
@@ -333,18 +343,111 @@ def evaluate_plan(
         )
     fixed, raw = plan_constraints(graph, plan)
     ctx = CostContext(cluster, plan.mesh)
+    # A plan with pinned activations (the planner's, or complete_plan's) is complete: its
+    # remaining freedom (loop-body inputs) is resolved at the cheapest, as planned. Only
+    # a plan that pins nothing is completed the way propagation would.
+    penalty = (
+        0.0
+        if plan.activations
+        else PROPAGATION_PENALTY * ctx.latency("all-reduce", tuple(plan.mesh))
+    )
     builder = ProblemBuilder(
         graph,
         ctx,
         fixed_inputs=fixed,
         constraints=_resolve_constraints(graph, raw),
         coarsen=coarsen,
+        replication_penalty_s=penalty,
     )
     bp = builder.build()
     sol = solve(bp.problem, time_limit_s)
     if not sol.ok:
         raise LoadPlanError(f"could not complete the plan's layouts (solver status {sol.status}).")
+    return bp, sol
+
+
+def evaluate_plan(
+    graph: Graph,
+    plan: Plan,
+    cluster: Any,
+    *,
+    time_limit_s: float = 60.0,
+    coarsen: bool = True,
+    memory_limit_bytes: float | None = None,
+) -> Evaluation:
+    """Score ``plan`` for ``graph`` on ``cluster`` with the planner's cost model.
+
+    Input layouts and pinned activations come from the plan. A plan that pins no
+    activation (a hand-written baseline) is completed the way XLA's sharding propagation
+    would (:data:`PROPAGATION_PENALTY`): the cheapest layouts that keep the forward and
+    backward compute partitioned. A plan with pins (the planner's) leaves only loop-body
+    inputs free, which take their cheapest layouts, as planned.
+
+    Args:
+        graph: the traced step the plan is for.
+        plan: any plan (from :func:`plan_graph` or written by hand).
+        cluster: a ``cost_models.Cluster``.
+        time_limit_s: limit of the completion solve.
+        coarsen: as in ``SearchOptions.coarsen`` (keep it equal to the planner's).
+        memory_limit_bytes: report whether the plan fits this bound (``Evaluation.fits``).
+
+    Returns:
+        The breakdown. For a plan the planner made (every layout pinned), the layouts are
+        the planner's and so is the prediction.
+
+    Raises:
+        LoadPlanError: the plan does not match the graph's inputs or mesh.
+        InvalidOptionError: the plan pipelines (not supported yet).
+
+    Example:
+        >>> dp = Plan(mesh={"data": 8}, inputs=...)                   # doctest: +SKIP
+        >>> evaluate_plan(graph, dp, cluster).step_time_s              # doctest: +SKIP
+        0.0123
+    """
+    bp, sol = _complete(graph, plan, cluster, time_limit_s, coarsen)
     return decode(bp, sol.choice, status=sol.status, memory_limit=memory_limit_bytes)
 
 
-__all__ = ["Evaluation", "decode", "evaluate_plan"]
+def complete_plan(
+    graph: Graph,
+    plan: Plan,
+    cluster: Any,
+    *,
+    time_limit_s: float = 60.0,
+    coarsen: bool = True,
+    memory_limit_bytes: float | None = None,
+) -> Plan:
+    """``plan`` with every activation layout pinned and its prediction filled in.
+
+    A hand-written plan (``autopar.baselines``) fixes only the inputs' and outputs'
+    layouts; XLA decides the rest when it compiles. Completing it first (as
+    :func:`evaluate_plan` does) and pinning the result makes the compiled program the
+    one that was scored, so ``autopar.verify`` compares like with like.
+
+    Example:
+        >>> dp = complete_plan(graph, baselines.data_parallel(graph, {"data": 8}),
+        ...                    Cluster.preset("dgx-a100-80gb"))            # doctest: +SKIP
+        >>> len(dp.activations) > 0, dp.predicted is not None          # doctest: +SKIP
+        (True, True)
+    """
+    import dataclasses
+
+    bp, sol = _complete(graph, plan, cluster, time_limit_s, coarsen)
+    ev = decode(bp, sol.choice, status=sol.status, memory_limit=memory_limit_bytes)
+    return dataclasses.replace(
+        plan,
+        activations=pinned_activations(bp, sol.choice),
+        predicted=ev.to_predicted(),
+        cluster=plan.cluster if plan.cluster is not None else cluster.to_json(),
+    )
+
+
+__all__ = [
+    "PROPAGATION_PENALTY",
+    "Evaluation",
+    "complete_plan",
+    "decode",
+    "evaluate_plan",
+    "pinned_activations",
+    "rename_spec",
+]

@@ -50,6 +50,27 @@ FUSION_CONSUMERS: frozenset[str] = FUSIBLE | REDUCTIONS | ARG_REDUCTIONS
 fuses the elementwise chain that feeds it)."""
 
 
+def materialised_values(graph: Graph) -> set[int]:
+    """The values of ``graph`` (by id) that XLA writes to memory, under the rule of the
+    module docstring; every other node result lives only inside a fusion.
+
+    Example:
+        >>> fused = {v for n in graph.nodes for v in n.outputs} - materialised_values(graph)  # doctest: +SKIP
+    """
+    nodes = {n.id: n for n in graph.nodes}
+    escapes = {o.value for o in graph.outputs}
+    out = set()
+    for node in graph.nodes:
+        for v in node.outputs:
+            if v in escapes or node.primitive not in FUSIBLE:
+                out.add(v)
+                continue
+            users = graph.consumers.get(v, ())
+            if len(users) != 1 or nodes[users[0]].primitive not in FUSION_CONSUMERS:
+                out.add(v)
+    return out
+
+
 def hbm_io(graph: Graph) -> dict[int, IO]:
     """Which operands each fusible or reducing node of ``graph`` reads from HBM and which
     results it writes there (nodes absent from the map read and write everything).
@@ -84,4 +105,4 @@ def hbm_io(graph: Graph) -> dict[int, IO]:
     return out
 
 
-__all__ = ["FUSIBLE", "FUSION_CONSUMERS", "IO", "hbm_io"]
+__all__ = ["FUSIBLE", "FUSION_CONSUMERS", "IO", "hbm_io", "materialised_values"]

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.search.costs import CostContext
-from autopar.search.fusion import IO, hbm_io
+from autopar.search.fusion import IO, hbm_io, materialised_values
 from autopar.search.problem import (
     MemoryConstraint,
     ProblemEdge,
@@ -349,6 +349,9 @@ def _constraint(bp: BuiltProblem, moment: int) -> MemoryConstraint:
     return MemoryConstraint(f"moment {moment}", constant, tuple(out_terms))
 
 
+_PROPAGATED = frozenset({"forward", "backward"})
+
+
 class ProblemBuilder:
     """Builds the :class:`BuiltProblem` of one graph on one mesh.
 
@@ -361,6 +364,12 @@ class ProblemBuilder:
         tie_optimizer_state: a parameter and its optimizer state take one sharding.
         coarsen: merge followers into groups and tie identical layers.
         memory_limit: bytes per device for the problem's constraints.
+        replication_penalty_s: objective seconds charged to a forward or backward op per
+            unit of the fraction of its work each device does (1 replicated, 1/n split n
+            ways). :func:`~autopar.search.evaluate.evaluate_plan` sets it to complete a
+            partial plan the way XLA's sharding propagation does: a value keeps the
+            partitioning it inherits rather than being gathered to save a collective.
+            Reported times never include it.
     """
 
     def __init__(
@@ -375,8 +384,10 @@ class ProblemBuilder:
         coarsen: bool = True,
         memory_limit: float | None = None,
         num_moments: int = 4,
+        replication_penalty_s: float = 0.0,
     ) -> None:
         self.graph = graph
+        self.replication_penalty_s = float(replication_penalty_s)
         self.ctx = ctx
         self.fixed_inputs = dict(fixed_inputs or {})
         self.constraints = dict(constraints or {})
@@ -708,17 +719,32 @@ class ProblemBuilder:
         (:func:`objective_weight` of :func:`collective_class`), and the combined
         collectives it joins: a gradient reduction pays its bandwidth part here and its
         latency once per scope, as a shared cost (:data:`Charge`)."""
+        compute = st.compute_s + self._replication_penalty(op, st)
         if not st.comm:
-            return st.compute_s, ()
+            return compute, ()
         if not self._grad_op(op):
-            return st.compute_s + st.comm_s, ()
-        cost = st.compute_s
+            return compute + st.comm_s, ()
+        cost = compute
         charges = []
         for c in st.comm:
             lat = self.ctx.latency(c.kind, c.axes)
             cost += (1.0 - self.eta) * (c.time_s - lat)
             charges.append((op.scope, c.kind, c.axes, op.weight, lat))
         return cost, tuple(charges)
+
+    def _replication_penalty(self, op: Op, st: OpStrategy) -> float:
+        if not self.replication_penalty_s or op.kind != "node" or op.phase not in _PROPAGATED:
+            return 0.0
+        node = op.node
+        if any(t.shape in self.param_shapes for t in node.out_tensors):
+            return 0.0  # parameter-shaped work (casts, gradients) follows the state's layout
+        if node.flops > 0:
+            fraction = st.flops / node.flops
+        elif st.outs and node.out_tensors and node.out_tensors[0].ndim:
+            fraction = 1.0 / shards(st.outs[0], self.ctx.mesh)
+        else:
+            return 0.0
+        return self.replication_penalty_s * fraction
 
     def _reshard_cost(self, t: TensorInfo, have: Sharding, need: Sharding, source: Op) -> float:
         """Resharding time, weighted: moving a parameter or optimizer state out of its
@@ -747,7 +773,14 @@ class ProblemBuilder:
                 if ref is not None and where[ref.op][0] == g.index
             )
             sig.append(
-                (self._op_signature(op), op.weight, self._grad_op(op), g.follow.get(oi), internal)
+                (
+                    self._op_signature(op),
+                    op.weight,
+                    self._grad_op(op),
+                    g.follow.get(oi),
+                    internal,
+                    op.phase if self.replication_penalty_s else None,
+                )
             )
         return tuple(sig)
 
@@ -991,12 +1024,24 @@ class ProblemBuilder:
         born: list[list[MemValue]] = [[] for _ in range(n)]
         dies: list[list[MemValue]] = [[] for _ in range(n)]
         extra: list[list[MemValue]] = [[] for _ in range(n)]
+        # A value fused into its consumer (fusion.materialised_values) never occupies
+        # memory; the fusion runs when its consumer does, so the inputs it reads stay live
+        # until then. ``runs[i]``: the position at which node i's work happens.
+        stored = materialised_values(graph)
+        runs = list(range(n))
+        for i in range(n - 1, -1, -1):
+            node = graph.nodes[i]
+            if node.outputs and not any(v in stored for v in node.outputs):
+                runs[i] = max(
+                    (runs[pos[c]] for v in node.outputs for c in graph.consumers.get(v, ())),
+                    default=i,
+                )
         for i, node in enumerate(graph.nodes):
             for port, v in enumerate(node.outputs):
-                if v in skip:
+                if v in skip or v not in stored:
                     continue
                 users = graph.consumers.get(v, ())  # nodes of this graph
-                end = n - 1 if v in out_values else max((pos[c] for c in users), default=i)
+                end = n - 1 if v in out_values else max((runs[pos[c]] for c in users), default=i)
                 cat = "activations"
                 if node.phase == "backward" and any(
                     graph.nodes[pos[c]].phase == "optimizer" for c in users

@@ -29,12 +29,12 @@ from typing import Any
 
 from autopar.errors import InfeasiblePlanError, InvalidOptionError, SolveShardingError
 from autopar.options import AUTO_AXES, AXIS_NAMES, SearchOptions
-from autopar.plan import ActivationConstraint, LayerStrategy, Plan, TensorSharding
+from autopar.plan import LayerStrategy, Plan, TensorSharding
 from autopar.search.costs import CostContext
-from autopar.search.evaluate import Evaluation, decode
+from autopar.search.evaluate import Evaluation, decode, pinned_activations, rename_spec
 from autopar.search.ilp import BuiltProblem, Op, ProblemBuilder
 from autopar.search.problem import ShardingSolution
-from autopar.search.sharding import Sharding, to_plan_spec
+from autopar.search.sharding import to_plan_spec
 from autopar.search.solver import objective_lower_bound, solve
 from autopar.trace.graph import Graph
 
@@ -348,10 +348,6 @@ def _role_names(bp: BuiltProblem, choice: Sequence[int], allowed: Sequence[str])
     return {a: out[a] for a in mesh}
 
 
-def _rename(spec: Sharding, rename: Mapping[str, str]) -> Sharding:
-    return tuple(tuple(rename.get(a, a) for a in dim) for dim in spec)
-
-
 # ----------------------------------------------------------------------------- describing
 
 
@@ -456,32 +452,6 @@ def _layers(
             order.append(layer)
         per_layer[layer].append((name, describe_strategy(bp, op, st.tags, rename)))
     return tuple(LayerStrategy(name, tuple(per_layer[name])) for name in order)
-
-
-def _activations(
-    bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str]
-) -> tuple[ActivationConstraint, ...]:
-    """Pin every group leader's results: with them fixed, XLA's propagation (and
-    :func:`evaluate_plan`) lands on the layouts the ILP chose for the followers too."""
-    out = []
-    for group in bp.groups:
-        op = bp.ops[group.ops[0]]
-        if op.kind != "node" or op.node.id < 0:
-            continue
-        st = bp.strategy(op.index, choice)
-        for port, spec in enumerate(st.outs):
-            if not op.node.out_tensors[port].ndim:
-                continue
-            out.append(
-                ActivationConstraint(
-                    op.node.id,
-                    port,
-                    to_plan_spec(_rename(spec, rename)),
-                    op.scope,
-                    op.node.name_stack,
-                )
-            )
-    return tuple(out)
 
 
 def _zero_stage(bp: BuiltProblem, choice: Sequence[int]) -> int:
@@ -629,7 +599,7 @@ def plan_graph(
                 gi.path,
                 gi.tensor.shape,
                 gi.tensor.dtype,
-                to_plan_spec(_rename(bp.spec_of_input(gi.index, choice), rename)),
+                to_plan_spec(rename_spec(bp.spec_of_input(gi.index, choice), rename)),
                 gi.role,
             )
             for gi in graph.inputs
@@ -639,12 +609,12 @@ def plan_graph(
                 go.path,
                 go.tensor.shape,
                 go.tensor.dtype,
-                to_plan_spec(_rename(bp.spec_of_output(go.index, choice), rename)),
+                to_plan_spec(rename_spec(bp.spec_of_output(go.index, choice), rename)),
                 "output",
             )
             for go in graph.outputs
         ),
-        activations=_activations(bp, choice, rename),
+        activations=pinned_activations(bp, choice, rename),
         zero_stage=_zero_stage(bp, choice),
         layers=_layers(bp, choice, rename),
         predicted=evaluation.to_predicted(),

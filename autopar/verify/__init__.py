@@ -5,6 +5,9 @@ Example:
     >>> print(report)                                         # doctest: +SKIP
 """
 
+import sys
+import types
+
 from autopar.verify.hlo import (
     KINDS,
     HloCollective,
@@ -42,3 +45,15 @@ __all__ = [
     "shape_bytes",
     "verify",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """Makes ``autopar.verify(plan, lowered, *args)`` work whether ``autopar.verify`` names
+    this package or the function: importing ``autopar.verify.<submodule>`` rebinds the
+    package attribute to this package, so the package forwards calls to :func:`verify`."""
+
+    def __call__(self, plan, lowered, *args, **kwargs):
+        return verify(plan, lowered, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -25,11 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 
 from autopar.plan import Plan
 from autopar.verify.hlo import (
@@ -95,7 +97,13 @@ class VerifyRow:
 
 @dataclass(frozen=True)
 class MemoryRow:
-    """Peak bytes per device: predicted vs ``memory_analysis()``."""
+    """Peak bytes per device: predicted vs ``memory_analysis()``.
+
+    The plan's memory model assumes the state is updated in place (donated). A program
+    compiled without donation also holds the new state beside the old: ``undonated_bytes``
+    (the updated state's bytes per device that the program did not alias) is added to
+    the prediction so both sides describe the same program.
+    """
 
     predicted_bytes: float
     compiled_bytes: float
@@ -103,6 +111,7 @@ class MemoryRow:
     output_bytes: float
     temp_bytes: float
     alias_bytes: float
+    undonated_bytes: float = 0.0
 
     @property
     def checked(self) -> bool:
@@ -204,6 +213,12 @@ class VerifyReport:
                 f"{_fmt_bytes(m.output_bytes)} + temp {_fmt_bytes(m.temp_bytes)} - alias "
                 f"{_fmt_bytes(m.alias_bytes)}"
             )
+            if m.undonated_bytes:
+                lines.append(
+                    f"prediction includes {_fmt_bytes(m.undonated_bytes)} of new state beside "
+                    "the old: the state was not donated (pass donate_argnums to update it in "
+                    "place)"
+                )
         lines.extend(f"note: {n}" for n in self.notes)
         lines.append(f"ok: {self.ok}")
         return "\n".join(lines)
@@ -228,7 +243,23 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f}"
 
 
-def _memory(obj: Any, args: Sequence[Any], predicted: float) -> MemoryRow | None:
+def state_bytes_per_device(plan: Plan) -> float:
+    """Bytes per device of the inputs a step replaces (parameters, optimizer and model
+    state), laid out as the plan stores them: what donation lets the program alias."""
+    total = 0.0
+    for rec in plan.inputs:
+        if rec.role not in ("param", "opt_state", "model_state"):
+            continue
+        size = math.prod(rec.shape) * np.dtype(rec.dtype).itemsize
+        split = 1
+        for entry in rec.spec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                split *= plan.mesh[axis]
+        total += size / split
+    return total
+
+
+def _memory(obj: Any, args: Sequence[Any], plan: Plan) -> MemoryRow | None:
     stats = None
     if hasattr(obj, "memory_analysis") and hasattr(obj, "abstract_args"):
         stats = obj.memory_analysis(*args)  # LoweredStep: compiled with scratch counted
@@ -242,7 +273,11 @@ def _memory(obj: Any, args: Sequence[Any], predicted: float) -> MemoryRow | None
         return None
     arg, out = float(stats.argument_size_in_bytes), float(stats.output_size_in_bytes)
     temp, alias = float(stats.temp_size_in_bytes), float(stats.alias_size_in_bytes)
-    return MemoryRow(predicted, arg + out + temp - alias, arg, out, temp, alias)
+    predicted = float(plan.predicted.memory_bytes_per_device)
+    undonated = max(0.0, state_bytes_per_device(plan) - alias) if predicted > 0 else 0.0
+    return MemoryRow(
+        predicted + undonated, arg + out + temp - alias, arg, out, temp, alias, undonated
+    )
 
 
 def verify(
@@ -323,7 +358,7 @@ def verify(
         notes.append("the plan carries no prediction: score it with autopar.evaluate first")
     memory = None
     if check_memory:
-        memory = _memory(lowered, args, float(plan.predicted.memory_bytes_per_device))
+        memory = _memory(lowered, args, plan)
     return VerifyReport(
         plan_name=plan.name,
         rows=tuple(rows),

@@ -219,7 +219,7 @@ def test_caller_arrays_survive_without_donation() -> None:
 
 
 def test_donating_a_placed_copy_keeps_the_callers_array() -> None:
-    step, args, _, _ = reference("mlp")
+    step, args, *_ = reference("mlp")
     plan = baselines.data_parallel(step, {"data": 8}, *args)
     lowered = lower_plan(step, plan, args, options=LoweringOptions(donate_argnums=(0,)))
     # Fresh single-device arrays (the cached reference args are shared with other tests).

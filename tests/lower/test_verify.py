@@ -64,15 +64,22 @@ def test_report_verdicts(dp_mlp) -> None:
         + mem.temp_size_in_bytes
         - mem.alias_size_in_bytes
     )
+    # The plan's memory model assumes the state is updated in place; this step was lowered
+    # without donation, so it also holds the new state (parameters, AdamW's two moments,
+    # the int32 step count, all replicated): verify adds it to the prediction.
+    new_state = 3 * MLP_PARAM_BYTES + 4
+    assert mem.alias_size_in_bytes == 0
     good = _with_prediction(
         plan,
         # bytes: the total of the `count` executions in one step (the search's convention).
         (PredictedCollective("all-reduce", ("data",), MLP_PARAM_BYTES, 6, 1e-5),),
-        1.1 * compiled,
+        1.1 * compiled - new_state,
     )
     report = verify(good, lowered)
     assert report.ok, report.to_text()
     assert report.memory.compiled_bytes == compiled
+    assert report.memory.undonated_bytes == new_state
+    assert report.memory.error == pytest.approx(0.1)
     assert abs(report.row("all-reduce").bytes_error) < 1e-3
     assert "all-reduce" in str(report) and "ok: True" in str(report)
 
@@ -83,7 +90,7 @@ def test_report_verdicts(dp_mlp) -> None:
             PredictedCollective("all-reduce", ("data",), 2 * MLP_PARAM_BYTES, 6, 1e-5),
             PredictedCollective("all-to-all", ("data",), 1024.0, 1, 1e-6),
         ),
-        0.5 * compiled,
+        0.5 * compiled - new_state,
     )
     report = verify(bad, lowered)
     assert not report.ok
