@@ -3,6 +3,9 @@
 Example:
     >>> lowered = autopar.lower.lower_plan(step, plan, (state, batch))   # doctest: +SKIP
     >>> state, loss = lowered(state, batch)                               # doctest: +SKIP
+
+Remat from outside the model (``plan.remat`` = ``"selective"`` / ``"full"``) rewrites the
+traced step's evaluation: see :mod:`autopar.lower.remat`.
 """
 
 from autopar.lower.lowering import (
@@ -16,15 +19,25 @@ from autopar.lower.lowering import (
     remat_policy,
 )
 from autopar.lower.mesh import make_mesh
+from autopar.lower.remat import (
+    RecomputeBlock,
+    RematRewrite,
+    evaluate_remat,
+    plan_remat,
+)
 
 __all__ = [
     "CPU_MEMORY_COMPILER_OPTIONS",
     "LoweredStep",
+    "RecomputeBlock",
+    "RematRewrite",
     "arg_names",
     "check_leaves",
     "data_parallel_axes",
+    "evaluate_remat",
     "leaf_paths",
     "lower_plan",
     "make_mesh",
+    "plan_remat",
     "remat_policy",
 ]

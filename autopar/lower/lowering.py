@@ -20,11 +20,14 @@
   inputs onto the planned shardings without ever aliasing the caller's buffers.
 
 Remat: ``jax.checkpoint`` must wrap a function *before* it is differentiated, and the
-user's step already contains ``jax.grad``: from outside, the forward/backward split is
-fixed in the jaxpr. So a plan with ``remat != "none"`` is lowered only if the user applied
-the policy inside the model (:func:`remat_policy` gives the ``jax.checkpoint`` policy) and
-says so with ``LoweringOptions(extra={"remat": "in_model"})``; otherwise lowering refuses
-rather than silently using more memory than planned.
+user's step already contains ``jax.grad``. So a plan with ``remat="selective"``/``"full"``
+is realised by rewriting the evaluation of the traced jaxpr (:mod:`autopar.lower.remat`):
+each layer's residuals are recomputed right before its backward pass, from saved values
+passed through ``optimization_barrier`` (and, on CPU, inside an opaque ``lax.cond``). This
+needs the graph (traced here when not given) and unrolled layers; layers in a ``scan`` are
+refused. A user who applied the policy inside the model (:func:`remat_policy` gives the
+``jax.checkpoint`` policy) says so with ``LoweringOptions(extra={"remat": "in_model"})``
+and no rewrite is done.
 
 Example:
     >>> lowered = lower_plan(step, plan, (state, batch))        # doctest: +SKIP
@@ -46,6 +49,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from autopar.errors import LoadPlanError, LowerPlanError
 from autopar.lower.mesh import make_mesh
+from autopar.lower.remat import (
+    RematRewrite,
+    check_policy,
+    default_guard,
+    evaluate_remat,
+    plan_remat,
+)
 from autopar.options import LoweringOptions
 from autopar.plan import (
     ActivationConstraint,
@@ -421,8 +431,9 @@ def lower_plan(
 
     Raises:
         LoadPlanError: the plan's leaves do not match ``args`` or the results.
-        LowerPlanError: the plan cannot be realised (mesh size, bad spec, remat, pipeline,
-            activation constraints without a graph).
+        LowerPlanError: the plan cannot be realised (mesh size, bad spec, unknown remat
+            policy or remat of layers inside a scan, pipeline, activation constraints
+            without a graph).
 
     Example:
         >>> plan = autopar.baselines.data_parallel(step, {"data": 8}, state, batch)  # doctest: +SKIP
@@ -435,13 +446,8 @@ def lower_plan(
             f"the plan has {plan.pipeline.num_stages} pipeline stages; this lowering handles "
             "SPMD plans only (pipeline_stages=1). Re-plan with SearchOptions(pipeline_stages=1)."
         )
-    if plan.remat != "none" and options.extra.get("remat") != "in_model":
-        raise LowerPlanError(
-            f"the plan asks for remat={plan.remat!r}, which must be applied inside the model "
-            "(jax.checkpoint has to wrap the layer before jax.grad). Wrap your layers with "
-            f"autopar.lower.remat_policy({plan.remat!r}) and pass "
-            "LoweringOptions(extra={'remat': 'in_model'}), or re-plan with remat='none'."
-        )
+    remat = check_policy(plan.remat)
+    remat_outside = remat != "none" and options.extra.get("remat") != "in_model"
     if mesh is None:
         mesh = make_mesh(plan.mesh)
     elif dict(mesh.shape) != dict(plan.mesh) or tuple(mesh.axis_names) != tuple(plan.mesh):
@@ -485,6 +491,19 @@ def lower_plan(
                 "(or LoweringOptions(activation_constraints=False) to drop them)."
             )
         body = _interpreted(graph, constraints, mesh, out_tree)
+    if remat_outside:
+        # Remat from outside the model: recompute residuals in the re-interpreted jaxpr.
+        if graph is None:
+            from autopar.trace import trace
+
+            graph = trace(bound, *dyn)
+        elif getattr(graph, "jaxpr", None) is None or not hasattr(graph, "nodes"):
+            raise LowerPlanError(
+                f"remat={remat!r} is applied to the traced jaxpr, but graph has none: pass "
+                "graph=autopar.trace(fn, *args) (or leave graph=None to trace here)."
+            )
+        rewrite = plan_remat(graph, remat)
+        body = _interpreted(graph, constraints, mesh, out_tree, rewrite)
 
     if plan.zero_stage == 3:
         body = _zero3_gather(body, plan, mesh, in_tree)
@@ -534,14 +553,32 @@ def _check_constraints(graph: Any, constraints: Sequence[ActivationConstraint]) 
 
 
 def _interpreted(
-    graph: Any, constraints: Sequence[ActivationConstraint], mesh: Mesh, out_tree: Any
+    graph: Any,
+    constraints: Sequence[ActivationConstraint],
+    mesh: Mesh,
+    out_tree: Any,
+    rewrite: RematRewrite | None = None,
 ) -> Callable[..., Any]:
     """The step as the traced jaxpr re-run with ``with_sharding_constraint`` at the plan's
-    activation points (via :func:`autopar.trace.evaluate_inlined`)."""
+    activation points (via :func:`autopar.trace.evaluate_inlined`), or, given a remat
+    ``rewrite``, via :func:`autopar.lower.remat.evaluate_remat`."""
     from autopar.trace import evaluate_inlined
 
     _check_constraints(graph, constraints)
     hook, into_bodies = _constraint_hook(constraints, mesh)
+
+    if rewrite is not None:
+        guard = default_guard(mesh.devices.flat[0].platform)
+        remat_hook = hook if constraints else None
+
+        def run_remat(*dyn_args: Any) -> Any:
+            flat = jax.tree_util.tree_leaves(dyn_args)
+            outs = evaluate_remat(
+                graph, rewrite, *flat, hook=remat_hook, into_bodies=into_bodies, guard=guard
+            )
+            return jax.tree_util.tree_unflatten(out_tree, outs)
+
+        return run_remat
 
     def run(*dyn_args: Any) -> Any:
         flat = jax.tree_util.tree_leaves(dyn_args)
