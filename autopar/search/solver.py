@@ -511,6 +511,15 @@ def solve(
     else:
         picked, status, bound = _solve_highs(problem, cp, remaining, minimize)
     elapsed = time.perf_counter() - t0
+    if picked is None and status == "unknown" and minimize == "cost":
+        # Out of time before the solver's first solution: the starting point (rounded LP
+        # relaxation + local search, or the caller's hint) is a solution too, if it fits.
+        fallback = _choice_of(problem, cp, start)
+        if problem.is_feasible(fallback):
+            return ShardingSolution(
+                fallback, problem.objective(fallback), "feasible", elapsed,
+                problem.memory_usage(fallback), 0.0,
+            )  # fmt: skip
     if picked is None:
         return ShardingSolution((), math.inf, status, elapsed)
     rep_choice = {r: int(cp.keep[r][s]) for r, s in picked.items()}
@@ -518,6 +527,11 @@ def solve(
     return ShardingSolution(
         choice, problem.objective(choice), status, elapsed, problem.memory_usage(choice), bound
     )
+
+
+def _choice_of(problem: ShardingProblem, cp: _Compact, start: dict[int, int]) -> tuple[int, ...]:
+    rep_choice = {r: int(cp.keep[r][s]) for r, s in start.items()}
+    return tuple(rep_choice[cp.red.rep[i]] for i in range(len(problem.nodes)))
 
 
 def objective_lower_bound(problem: ShardingProblem) -> float:

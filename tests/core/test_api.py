@@ -122,3 +122,17 @@ def test_bad_input_is_an_autopar_error():
         autopar.autoparallel(lambda x: x, options={"mesh": {"data": 8}})
     with pytest.raises(autopar.UnknownPresetError):
         autopar.plan(lambda x: x.sum(), np.ones(4, np.float32), cluster="dgx-z900")
+
+
+def test_verify_stays_callable_after_importing_its_submodules() -> None:
+    # Importing autopar.verify.<submodule> rebinds the package attribute ``autopar.verify``
+    # (Python's import system); the public name must still be the function's behaviour.
+    import importlib
+
+    import autopar
+
+    importlib.import_module("autopar.verify.report")
+    importlib.import_module("autopar.verify.hlo")
+    assert callable(autopar.verify)
+    with pytest.raises(TypeError, match="argument"):
+        autopar.verify()  # the function's missing arguments, not "module is not callable"

@@ -132,3 +132,36 @@ def test_compiled_and_saved_hlo_inputs(dp_mlp) -> None:
     text = dump_spmd_hlo(lowered)
     saved = verify(plan, lowered, hlo_text=text, check_memory=False)
     assert saved.hlo_bytes() == MLP_PARAM_BYTES + LOSS_BYTES
+
+
+def test_completed_baseline_predicts_what_xla_emits() -> None:
+    # A hand-written data-parallel plan fixes only input and output layouts. Completed
+    # (every activation pinned, scored by the cost model) and lowered, what XLA emits is
+    # what was predicted: the gradient all-reduce of every parameter (by hand: the
+    # MLP's parameter bytes, one float32 each) plus the loss; the batch stays split, so
+    # nothing is gathered. Memory: the step is lowered with the state donated.
+    from autopar import baselines
+    from autopar.lower import lower_plan
+    from autopar.options import LoweringOptions
+    from autopar.search import complete_plan
+    from autopar.trace import trace
+    from cost_models import Cluster
+    from tests.lower._zoo import zoo_args
+
+    step, args = zoo_args("mlp")
+    graph = trace(step, *args)
+    plan = complete_plan(
+        graph,
+        baselines.data_parallel(graph, {"data": 8}),
+        Cluster.preset("dgx-a100-80gb"),
+    )
+    assert plan.activations  # pinned
+    predicted: dict[str, float] = {}
+    for c in plan.predicted.collectives:  # one record per (kind, axes, class)
+        predicted[c.kind] = predicted.get(c.kind, 0.0) + c.bytes
+    assert set(predicted) == {"all-reduce"}
+    assert predicted["all-reduce"] == MLP_PARAM_BYTES + LOSS_BYTES
+    lowered = lower_plan(step, plan, args, graph, LoweringOptions(donate_argnums=(0,)))
+    report = verify(plan, lowered, *args)
+    assert report.ok, report.to_text()
+    assert report.row("all-reduce").hlo_bytes == MLP_PARAM_BYTES + LOSS_BYTES

@@ -233,3 +233,20 @@ def test_highs_writes_nothing_to_stdout(capfd):
     solve(p, backend="cpsat")
     out, err = capfd.readouterr()
     assert out == "" and err == ""
+
+
+def test_out_of_time_returns_the_starting_point(monkeypatch):
+    # CP-SAT stopped by the time limit before any solution: the rounded-LP + local-search
+    # start is still a valid choice. On the chain, local search from the LP lands on the
+    # optimum (1, 1) = 4 s; it is reported as merely feasible (no proof).
+    import autopar.search.solver as solver
+
+    monkeypatch.setattr(solver, "_solve_cpsat", lambda *a, **k: (None, "unknown", 0.0))
+    sol = solve(_chain())
+    assert sol.status == "feasible"
+    assert sol.choice == (1, 1)
+    assert sol.objective == pytest.approx(4.0)
+    # ... unless the start breaks the memory bound: then there is no solution to give.
+    mem = MemoryConstraint("m", 0.0, ((0, (10.0, 100.0)), (1, (10.0, 100.0))))
+    sol = solve(_chain(memory=(mem,), limit=150.0))
+    assert sol.status == "unknown" and sol.choice == ()
