@@ -50,9 +50,20 @@ FUSION_CONSUMERS: frozenset[str] = FUSIBLE | REDUCTIONS | ARG_REDUCTIONS
 fuses the elementwise chain that feeds it)."""
 
 
+EXPENSIVE: frozenset[str] = frozenset(
+    {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "pow", "sqrt", "rsqrt",
+     "cbrt", "erf", "erf_inv", "sin", "cos", "tan", "atan2", "div", "rem", "integer_pow"}
+)  # fmt: skip
+"""Elementwise operations XLA does not duplicate into several consumer fusions
+(``InstructionFusion::IsExpensive``); a cheap producer read by several fusions is
+recomputed in each and never stored."""
+
+
 def materialised_values(graph: Graph) -> set[int]:
-    """The values of ``graph`` (by id) that XLA writes to memory, under the rule of the
-    module docstring; every other node result lives only inside a fusion.
+    """The values of ``graph`` (by id) that XLA keeps in memory: the rule of the module
+    docstring, except that a cheap producer (not :data:`EXPENSIVE`) read only by fusions
+    is recomputed inside each of them rather than stored (XLA duplicates it), which is
+    what a memory count needs; every other node result lives only inside a fusion.
 
     Example:
         >>> fused = {v for n in graph.nodes for v in n.outputs} - materialised_values(graph)  # doctest: +SKIP
@@ -66,8 +77,10 @@ def materialised_values(graph: Graph) -> set[int]:
                 out.add(v)
                 continue
             users = graph.consumers.get(v, ())
-            if len(users) != 1 or nodes[users[0]].primitive not in FUSION_CONSUMERS:
+            if not users or any(nodes[u].primitive not in FUSION_CONSUMERS for u in users):
                 out.add(v)
+            elif len(users) > 1 and node.primitive in EXPENSIVE:
+                out.add(v)  # XLA duplicates only cheap producers into several fusions
     return out
 
 
@@ -105,4 +118,4 @@ def hbm_io(graph: Graph) -> dict[int, IO]:
     return out
 
 
-__all__ = ["FUSIBLE", "FUSION_CONSUMERS", "IO", "hbm_io", "materialised_values"]
+__all__ = ["EXPENSIVE", "FUSIBLE", "FUSION_CONSUMERS", "IO", "hbm_io", "materialised_values"]

@@ -1018,8 +1018,9 @@ class ProblemBuilder:
 
     def _liveness(self, graph: Graph, scope: Scope, *, skip: set[int]) -> Timeline:
         env = self.envs.get(scope, {})
-        n = len(graph.nodes)
-        pos = {node.id: i for i, node in enumerate(graph.nodes)}
+        nodes = graph.nodes
+        n = len(nodes)
+        pos = {node.id: i for i, node in enumerate(nodes)}
         out_values = {o.value for o in graph.outputs}
         born: list[list[MemValue]] = [[] for _ in range(n)]
         dies: list[list[MemValue]] = [[] for _ in range(n)]
@@ -1030,13 +1031,13 @@ class ProblemBuilder:
         stored = materialised_values(graph)
         runs = list(range(n))
         for i in range(n - 1, -1, -1):
-            node = graph.nodes[i]
+            node = nodes[i]
             if node.outputs and not any(v in stored for v in node.outputs):
                 runs[i] = max(
                     (runs[pos[c]] for v in node.outputs for c in graph.consumers.get(v, ())),
                     default=i,
                 )
-        for i, node in enumerate(graph.nodes):
+        for i, node in enumerate(nodes):
             for port, v in enumerate(node.outputs):
                 if v in skip or v not in stored:
                     continue
@@ -1044,7 +1045,7 @@ class ProblemBuilder:
                 end = n - 1 if v in out_values else max((runs[pos[c]] for c in users), default=i)
                 cat = "activations"
                 if node.phase == "backward" and any(
-                    graph.nodes[pos[c]].phase == "optimizer" for c in users
+                    nodes[pos[c]].phase == "optimizer" for c in users
                 ):
                     cat = "grads"
                 mv = MemValue(env.get(v), node.out_tensors[port], cat, f"{node.name_stack}:{port}")
