@@ -251,27 +251,36 @@ def rename_spec(spec: Sharding, rename: Mapping[str, str]) -> Sharding:
 def pinned_activations(
     bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str] | None = None
 ) -> tuple[ActivationConstraint, ...]:
-    """Pin every group leader's results: with them fixed, XLA's propagation (and
-    :func:`evaluate_plan`) lands on the layouts the ILP chose for the followers too."""
+    """Pin every group leader's results and every value another group reads.
+
+    Inside a group the followers take the layout their leader implies, which is also
+    what XLA's propagation infers from the leader. A value read across groups is where
+    propagation can arrive from another direction (a sharded state leaf it is combined
+    with, say) and override the plan: pinned, XLA keeps the layout the ILP priced.
+    """
     rename = dict(rename or {})
+    crossing = {(e.ref.op, e.ref.port) for e in bp.edges}
     out = []
     for group in bp.groups:
-        op = bp.ops[group.ops[0]]
-        if op.kind != "node" or op.node.id < 0:
-            continue
-        st = bp.strategy(op.index, choice)
-        for port, spec in enumerate(st.outs):
-            if not op.node.out_tensors[port].ndim:
+        for pos, oi in enumerate(group.ops):
+            op = bp.ops[oi]
+            if op.kind != "node" or op.node.id < 0:
                 continue
-            out.append(
-                ActivationConstraint(
-                    op.node.id,
-                    port,
-                    to_plan_spec(rename_spec(spec, rename)),
-                    op.scope,
-                    op.node.name_stack,
+            st = bp.strategy(op.index, choice)
+            for port, spec in enumerate(st.outs):
+                if not op.node.out_tensors[port].ndim:
+                    continue
+                if pos and (oi, port) not in crossing:
+                    continue
+                out.append(
+                    ActivationConstraint(
+                        op.node.id,
+                        port,
+                        to_plan_spec(rename_spec(spec, rename)),
+                        op.scope,
+                        op.node.name_stack,
+                    )
                 )
-            )
     return tuple(out)
 
 
