@@ -251,15 +251,24 @@ def rename_spec(spec: Sharding, rename: Mapping[str, str]) -> Sharding:
 def pinned_activations(
     bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str] | None = None
 ) -> tuple[ActivationConstraint, ...]:
-    """Pin every group leader's results and every value another group reads.
+    """Pin every group leader's results, and every value that work on a state input
+    reads.
 
     Inside a group the followers take the layout their leader implies, which is also
-    what XLA's propagation infers from the leader. A value read across groups is where
-    propagation can arrive from another direction (a sharded state leaf it is combined
-    with, say) and override the plan: pinned, XLA keeps the layout the ILP priced.
+    what XLA's propagation infers from the leader. Work led by a state input (a running
+    statistic's update, an optimizer step) is where propagation arrives from the other
+    direction: a state leaf sharded to save memory would push its layout back into the
+    activations it combines with (a batch-norm mean sharded over channels, and with it
+    the convolution before it). Pinned, XLA keeps the layout the ILP priced. (Pinning
+    every value read across groups was tried: it perturbs XLA's fusion of GPT's
+    followers and costs more collectives than it saves.)
     """
     rename = dict(rename or {})
-    crossing = {(e.ref.op, e.ref.port) for e in bp.edges}
+    crossing = {
+        (e.ref.op, e.ref.port)
+        for e in bp.edges
+        if bp.ops[bp.groups[bp.op_group[e.op][0]].ops[0]].kind == "input"
+    }
     out = []
     for group in bp.groups:
         for pos, oi in enumerate(group.ops):
