@@ -158,8 +158,11 @@ def main(argv: list[str]) -> int:
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
+    failed = []
     for model, shape in cases:
         r = run_case(model, shape, full)
+        if r["status"] != "ok":
+            failed.append(r["case"])
         table.add_row(
             r["case"],
             fmt(r.get("search_s"), ".1f"),
@@ -173,7 +176,9 @@ def main(argv: list[str]) -> int:
         )
         print(r, flush=True)
     Console(width=140).print(table)
-    return 0
+    if failed:
+        print(f"{len(failed)} of {len(cases)} cases outside the acceptance bounds: {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
