@@ -188,6 +188,10 @@ def decode(
                             bp.param_shapes, c, op=op, source=leader(ref.op), rename=rename
                         ),
                     )
+    # The same value resharded the same way for several readers is one collective in the
+    # program (XLA's CSE merges identical ones: an FSDP parameter gathered for the forward
+    # and again for the backward is gathered once and kept).
+    done: set[tuple] = set()
     for e in bp.edges:
         op = bp.ops[e.op]
         st = bp.strategy(e.op, choice)
@@ -199,11 +203,22 @@ def decode(
             continue
         t = op.node.in_tensors[e.operand]
         w = min(op.weight, bp.ops[e.ref.op].weight)
+        key = (e.ref, have, need, w, op.scope)
+        if key in done:
+            continue
+        done.add(key)
         for c in bp.ctx.reshard(t.shape, t.dtype, have, need)[1]:
             add(
                 c,
                 w,
-                collective_class(bp.param_shapes, c, op=op, source=leader(e.ref.op), rename=rename),
+                collective_class(
+                    bp.param_shapes,
+                    c,
+                    op=op,
+                    source=leader(e.ref.op),
+                    rename=rename,
+                    dest=leader(e.op),
+                ),
             )
 
     for (_, kind, axes, weight), lat in combined.items():

@@ -746,10 +746,14 @@ class ProblemBuilder:
             return 0.0
         return self.replication_penalty_s * fraction
 
-    def _reshard_cost(self, t: TensorInfo, have: Sharding, need: Sharding, source: Op) -> float:
+    def _reshard_cost(
+        self, t: TensorInfo, have: Sharding, need: Sharding, source: Op, into_state: bool = False
+    ) -> float:
         """Resharding time, weighted: moving a parameter or optimizer state out of its
-        stored layout is an overlappable FSDP gather, anything else is exposed."""
-        factor = 1.0 - self.eta if source.root_role in ("param", "opt_state") else 1.0
+        stored layout, or an update into it (``into_state``: ZeRO's parameter all-gather),
+        is an overlappable FSDP gather; anything else is exposed."""
+        overlappable = into_state or source.root_role in _STATE_ROLES
+        factor = 1.0 - self.eta if overlappable else 1.0
         return factor * self.ctx.reshard(t.shape, t.dtype, have, need)[0]
 
     def _op_signature(self, op: Op) -> tuple:
@@ -889,13 +893,16 @@ class ProblemBuilder:
                 t = op.node.in_tensors[k]
                 w = min(op.weight, self.ops[ref.op].weight)
                 source = self.ops[prod.ops[0]]
-                fsdp = source.root_role in ("param", "opt_state")
+                into_state = feeds_state_update(op, self.ops[cons.ops[0]])
+                fsdp = source.root_role in _STATE_ROLES or into_state
                 mkey = (t.shape, t.dtype, src_keys, dst_keys, w, fsdp)
                 mat = self._matrix_cache.get(mkey)
                 if mat is None:
                     mat = tuple(
                         tuple(
-                            0.0 if n is None else w * self._reshard_cost(t, h, n, source)
+                            0.0
+                            if n is None
+                            else w * self._reshard_cost(t, h, n, source, into_state)
                             for n in dst_keys
                         )
                         for h in src_keys
@@ -1224,6 +1231,16 @@ HIDEABLE = ("dp_grad", "fsdp_gather")
 """Communication classes that overlap with compute (``cost_models.overlap``)."""
 
 
+_STATE_ROLES = ("param", "opt_state")
+
+
+def feeds_state_update(op: Op, consumer_leader: Op) -> bool:
+    """Whether ``op`` is optimizer work on a parameter or optimizer-state input (its
+    group is led by that input): a value resharded into it is the update's way into the
+    stored layout (ZeRO's gather of the updated parameters)."""
+    return op.phase == "optimizer" and consumer_leader.root_role in _STATE_ROLES
+
+
 def collective_class(
     param_shapes: frozenset[tuple[int, ...]],
     coll: Collective,
@@ -1231,21 +1248,23 @@ def collective_class(
     op: Op,
     source: Op | None,
     rename: Mapping[str, str] | None = None,
+    dest: Op | None = None,
 ) -> str:
     """Which ``compose_step_time`` class a collective belongs to.
 
     Partial sums of a backward op whose result has a parameter's shape are gradient
     reductions (``dp_grad``); moving a parameter or optimizer state out of its stored
-    layout is an FSDP gather (``fsdp_gather``); the rest is named after the mesh axes it
-    runs over (``seq``, ``expert``, ``tensor``), strategy collectives default to
-    ``tensor`` and edge reshardings to ``reshard``.
+    layout, or an update into it (``dest``: the consumer's group leader, see
+    :func:`feeds_state_update`), is an FSDP gather (``fsdp_gather``); the rest is named
+    after the mesh axes it runs over (``seq``, ``expert``, ``tensor``), strategy
+    collectives default to ``tensor`` and edge reshardings to ``reshard``.
     """
     rename = rename or {}
     names = {rename.get(a, a) for a in coll.axes}
     if source is None:  # a strategy's own collective
         if op.phase == "backward" and any(t.shape in param_shapes for t in op.node.out_tensors):
             return "dp_grad"
-    elif source.root_role in ("param", "opt_state"):
+    elif source.root_role in _STATE_ROLES or (dest is not None and feeds_state_update(op, dest)):
         return "fsdp_gather"
     for cls in ("seq", "expert", "tensor"):
         if cls in names:
