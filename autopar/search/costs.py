@@ -124,9 +124,27 @@ class CostContext:
             colls.append(self.collective("all-to-all", per_device, a2a))
         if gather:
             colls.append(self.collective("all-gather", per_device * self.mesh.prod(gather), gather))
+        swapped = _swapped_axes(src, dst)
+        if swapped:
+            # Axes that trade places change the device order of the tiles: XLA adds a
+            # collective-permute of the destination buffer (measured: d0,e1 -> e0,d1 is an
+            # all-to-all plus a permute).
+            p2p = self.collective("p2p", total / shards(dst, self.mesh), self.mesh.order(swapped))
+            colls.append(Collective("collective-permute", p2p.axes, p2p.nbytes, p2p.time_s))
         out = (sum(c.time_s for c in colls), tuple(colls))
         self._reshard[key] = out
         return out
+
+
+def _swapped_axes(src: Sharding, dst: Sharding) -> tuple[str, ...]:
+    """The axes sharding both layouts, if their order (tensor dims left to right, major to
+    minor within a dim) differs between the two; else ``()``."""
+    src_order = [a for dim in src for a in dim]
+    dst_order = [a for dim in dst for a in dim]
+    common = [a for a in src_order if a in dst_order]
+    if len(common) < 2 or [a for a in dst_order if a in common] == common:
+        return ()
+    return tuple(common)
 
 
 def _flop_dtype(dtype: str) -> str:

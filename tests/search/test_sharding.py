@@ -86,3 +86,19 @@ def test_reshard_plan_classifies_axes():
     assert gather == ("tensor",)
     # Replicated -> sharded is a local slice: no collective.
     assert reshard_plan((8, 8), ((), ()), (("data",), ("tensor",)), M24) == ((), ())
+
+
+def test_axes_trading_places_cost_a_collective_permute():
+    # Measured on 8 CPU devices (post-partitioning HLO): a float32 [64, 64] laid out
+    # data x expert going to expert x data is an all-to-all plus a collective-permute
+    # of the per-device buffer (64*64*4 / 8 = 2048 bytes); keeping the order is not.
+    from autopar.search.costs import CostContext
+    from cost_models import Cluster
+
+    ctx = CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 2, "expert": 4})
+    _, colls = ctx.reshard((64, 64), "float32", (("data",), ("expert",)), (("expert",), ("data",)))
+    permutes = [c for c in colls if c.kind == "collective-permute"]
+    assert len(permutes) == 1 and permutes[0].nbytes == 2048
+    assert set(permutes[0].axes) == {"data", "expert"}
+    _, colls = ctx.reshard((64, 64), "float32", (("data", "expert"), ()), (("data",), ("expert",)))
+    assert not [c for c in colls if c.kind == "collective-permute"]
