@@ -19,6 +19,7 @@ from autopar import (  # noqa: E402  (autopar.trace is callable: trace(fn, *args
 from autopar.api import (  # noqa: E402
     AutoParallel,
     autoparallel,
+    complete,
     evaluate,
     plan,
     verify,
@@ -68,6 +69,7 @@ __all__ = [
     "__version__",
     "report",
     "autoparallel",
+    "complete",
     "baselines",
     "evaluate",
     "plan",

@@ -118,6 +118,29 @@ def evaluate(
     return evaluate_plan(graph, plan, _resolve_cluster(cluster))
 
 
+def complete(
+    fn_or_graph: Callable | Graph,
+    plan: Plan,
+    cluster: Cluster | str | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> Plan:
+    """``plan`` with every activation layout pinned and its prediction filled in, so that
+    the program lowered from it is the one the cost model scored (a hand-written plan
+    fixes only input and output layouts; see ``autopar.search.complete_plan``).
+
+    Example:
+        >>> dp = autopar.complete(graph, autopar.baselines.data_parallel(graph, {"data": 8}),
+        ...                       "dgx-a100-80gb")                     # doctest: +SKIP
+        >>> dp.predicted.step_time_s > 0                               # doctest: +SKIP
+        True
+    """
+    from autopar.search import complete_plan
+
+    graph = fn_or_graph if isinstance(fn_or_graph, Graph) else trace(fn_or_graph, *args, **kwargs)
+    return _finish_plan(complete_plan(graph, plan, _resolve_cluster(cluster)), graph)
+
+
 def verify(plan: Plan, lowered: Any, *args: Any):
     """Compare what XLA compiled (collectives, memory) with what ``plan`` predicted.
 

@@ -142,20 +142,15 @@ def test_completed_baseline_predicts_what_xla_emits() -> None:
     # nothing is gathered. (Memory is not asserted here: this step's peak is the gradient
     # all-reduce's input and output buffers side by side, which the memory model does not
     # count yet; see bench_fidelity for the memory comparison.)
+    import autopar
     from autopar import baselines
     from autopar.lower import lower_plan
-    from autopar.search import complete_plan
     from autopar.trace import trace
-    from cost_models import Cluster
     from tests.lower._zoo import zoo_args
 
     step, args = zoo_args("mlp")
     graph = trace(step, *args)
-    plan = complete_plan(
-        graph,
-        baselines.data_parallel(graph, {"data": 8}),
-        Cluster.preset("dgx-a100-80gb"),
-    )
+    plan = autopar.complete(graph, baselines.data_parallel(graph, {"data": 8}), "dgx-a100-80gb")
     assert plan.activations  # pinned
     predicted: dict[str, float] = {}
     for c in plan.predicted.collectives:  # one record per (kind, axes, class)
