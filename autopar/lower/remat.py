@@ -73,9 +73,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import DropVar, Literal
 
-from autopar._compat import eqn_context
 from autopar.errors import LowerPlanError, TraceFunctionError
-from autopar.trace.evaluate import Hook, IntoBodies, _enters, _hooked_params
+from autopar.trace.evaluate import Hook, IntoBodies, _enters, _hooked_params, bind_equation
 from autopar.trace.graph import Graph, Node
 
 REMAT_POLICIES: tuple[str, ...] = ("none", "selective", "full")
@@ -446,18 +445,7 @@ def evaluate_remat(
             if node.id not in params_cache:
                 params_cache[node.id] = _hooked_params(node, params, hook, into_bodies)
             params = params_cache[node.id]
-        with eqn_context(eqn):
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-        outs = list(outs) if eqn.primitive.multiple_results else [outs]
-        if hook is not None:
-            new = list(hook(node, outs))
-            if len(new) != len(outs):
-                raise TraceFunctionError(
-                    f"hook returned {len(new)} values for node {node.id} ({node.primitive}), "
-                    f"which has {len(outs)} outputs"
-                )
-            outs = new
-        return outs
+        return bind_equation(node, eqn, invals, params, hook)
 
     def run_nodes(node_ids: Sequence[int], local: dict[Any, Any]) -> None:
         for nid in node_ids:

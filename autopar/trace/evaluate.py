@@ -126,21 +126,30 @@ def _run(graph: Graph, args: list[Any], hook: Hook | None, into: IntoBodies) -> 
         params = eqn.params
         if hook is not None and _enters(node, into):
             params = _hooked_params(node, params, hook, into)
-        with eqn_context(eqn):
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-        outs = list(outs) if eqn.primitive.multiple_results else [outs]
-        if hook is not None:
-            new = list(hook(node, outs))
-            if len(new) != len(outs):
-                raise TraceFunctionError(
-                    f"hook returned {len(new)} values for node {node.id} ({node.primitive}), "
-                    f"which has {len(outs)} outputs"
-                )
-            outs = new
+        outs = bind_equation(node, eqn, invals, params, hook)
         for v, o in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, DropVar):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def bind_equation(
+    node: Node, eqn: Any, invals: Sequence[Any], params: Any, hook: Hook | None
+) -> list[Any]:
+    """Run one equation (with ``params``, possibly hooked bodies) on ``invals`` and pass
+    its results through ``hook``; the results as a list."""
+    with eqn_context(eqn):
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    if hook is None:
+        return outs
+    new = list(hook(node, outs))
+    if len(new) != len(outs):
+        raise TraceFunctionError(
+            f"hook returned {len(new)} values for node {node.id} ({node.primitive}), "
+            f"which has {len(outs)} outputs"
+        )
+    return new
 
 
 def hooked_body(body: Graph, hook: Hook, into_bodies: IntoBodies = True) -> ClosedJaxpr:
