@@ -105,6 +105,12 @@ class ActivationConstraint:
     ``node`` indexes the equations of the traced (inlined) jaxpr, ``output`` the equation's
     results; ``scope`` walks into bodies: ``(scan_node_id, body_index)`` pairs, outermost
     first, empty for top-level values. ``name`` is the name stack, for humans.
+
+    With ``operand`` set, the constraint is on the equation's input ``operand`` as this
+    equation alone reads it (``output`` is then unused, 0): the layout the plan reshards
+    a value to for one consumer, so XLA moves it the planned way rather than choosing its
+    own (a dot contracting a dimension both operands split, say, which it would reduce
+    with an all-reduce where the plan gathers one operand once for forward and backward).
     """
 
     node: int
@@ -112,6 +118,7 @@ class ActivationConstraint:
     spec: Spec
     scope: tuple[tuple[int, int], ...] = ()
     name: str = ""
+    operand: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "spec", _spec_from_json(self.spec))
@@ -124,11 +131,19 @@ class ActivationConstraint:
             "spec": _spec_to_json(self.spec),
             "scope": [list(s) for s in self.scope],
             "name": self.name,
+            "operand": self.operand,
         }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ActivationConstraint:
-        return cls(d["node"], d["output"], d["spec"], tuple(map(tuple, d["scope"])), d["name"])
+        return cls(
+            d["node"],
+            d["output"],
+            d["spec"],
+            tuple(map(tuple, d["scope"])),
+            d["name"],
+            d.get("operand"),
+        )
 
 
 @dataclass(frozen=True)

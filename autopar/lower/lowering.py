@@ -357,32 +357,42 @@ def _constraint_hook(
 ) -> tuple[Callable[[Any, list[Any]], list[Any]], Callable[[Any], bool]]:
     """``hook(node, outs)`` applying the constraints, and the predicate choosing which loop
     bodies to re-trace (those holding a constraint at any depth)."""
-    by_point: dict[tuple[Scope, int], list[tuple[int, NamedSharding, ActivationConstraint]]] = {}
+    Point = dict[tuple[Scope, int], list[tuple[int, NamedSharding, ActivationConstraint]]]
+    by_point: Point = {}  # results
+    by_operand: Point = {}  # inputs, as one equation reads them
     inside: set[tuple[Scope, int]] = set()  # (scope, node) of loops with constraints within
     for c in constraints:
         for i in range(len(c.scope)):
             inside.add((tuple(c.scope[:i]), c.scope[i][0]))
-        by_point.setdefault((tuple(c.scope), c.node), []).append(
-            (c.output, NamedSharding(mesh, to_partition_spec(c.spec)), c)
+        table, index = (by_point, c.output) if c.operand is None else (by_operand, c.operand)
+        table.setdefault((tuple(c.scope), c.node), []).append(
+            (index, NamedSharding(mesh, to_partition_spec(c.spec)), c)
         )
 
-    def hook(node: Any, outs: list[Any]) -> list[Any]:
-        for out_i, sharding, c in by_point.get((tuple(node.scope), node.id), ()):
-            if out_i >= len(outs):
+    def constrain(node: Any, vals: list[Any], table: Point, what: str) -> list[Any]:
+        for i, sharding, c in table.get((tuple(node.scope), node.id), ()):
+            if i >= len(vals):
                 raise LowerPlanError(
                     f"activation constraint {c.name!r} at node {node.id} (scope {c.scope}) "
-                    f"names output {out_i}, but {node.primitive} has {len(outs)} outputs; "
+                    f"names {what} {i}, but {node.primitive} has {len(vals)} {what}s; "
                     "the plan was made for another graph."
                 )
             where = f"activation constraint {c.name!r} (node {node.id}, scope {c.scope})"
-            _check_spec(c.spec, outs[out_i].shape, mesh, where)
-            outs[out_i] = jax.lax.with_sharding_constraint(outs[out_i], sharding)
-        return outs
+            _check_spec(c.spec, np.shape(vals[i]), mesh, where)
+            vals[i] = jax.lax.with_sharding_constraint(vals[i], sharding)
+        return vals
+
+    class _Hook:
+        def __call__(self, node: Any, outs: list[Any]) -> list[Any]:
+            return constrain(node, outs, by_point, "output")
+
+        def before(self, node: Any, ins: list[Any]) -> list[Any]:
+            return constrain(node, ins, by_operand, "operand")
 
     def into_bodies(node: Any) -> bool:
         return (tuple(node.scope), node.id) in inside
 
-    return hook, into_bodies
+    return _Hook(), into_bodies
 
 
 def _gathered(spec: Spec, data_axes: frozenset[str]) -> Spec:
@@ -549,6 +559,18 @@ def _check_constraints(graph: Any, constraints: Sequence[ActivationConstraint]) 
             raise LowerPlanError(
                 f"activation constraint {c.name!r} names node {c.node}, but the graph at scope "
                 f"{c.scope} has {len(g.nodes)} nodes; the plan was made for another graph."
+            )
+        node = g.nodes[c.node]
+        what, i, n = (
+            ("output", c.output, len(node.outputs))
+            if c.operand is None
+            else ("operand", c.operand, len(node.inputs))
+        )
+        if not 0 <= i < n:
+            raise LowerPlanError(
+                f"activation constraint {c.name!r} at node {c.node} (scope {c.scope}) names "
+                f"{what} {i}, but {node.primitive} has {n} {what}s; the plan was made for "
+                "another graph."
             )
 
 

@@ -120,10 +120,13 @@ def decode(
     *,
     status: str = "optimal",
     memory_limit: float | None = None,
+    sources: list[CollectiveSource] | None = None,
 ) -> Evaluation:
     """Turn a choice for a built problem into an :class:`Evaluation`.
 
-    ``rename`` maps the problem's mesh axis names to the names the plan reports.
+    ``rename`` maps the problem's mesh axis names to the names the plan reports. If
+    ``sources`` is a list, one :class:`CollectiveSource` per predicted collective is
+    appended to it (which operation or value it comes from).
     """
     import cost_models
 
@@ -132,10 +135,12 @@ def decode(
     colls: dict[tuple[str, tuple[str, ...], str], list[float]] = {}
     combined: dict[tuple, float] = {}  # (scope, kind, axes, executions) -> latency
 
-    def add(c: Collective, weight: float, cls: str, lat: float = 0.0) -> None:
+    def add(c: Collective, weight: float, cls: str, lat: float = 0.0, where: str = "") -> None:
         if c.time_s == 0.0 and c.nbytes == 0.0:
             return
         key = (c.kind, tuple(rename.get(a, a) for a in c.axes), cls)
+        if sources is not None:
+            sources.append(CollectiveSource(c.kind, key[1], c.nbytes, weight, cls, where))
         acc = colls.setdefault(key, [0.0, 0.0, 0.0])
         acc[0] += weight * c.nbytes
         acc[1] += weight
@@ -167,9 +172,9 @@ def decode(
                     # (what ``autopar.verify`` reads, before XLA's combiner runs).
                     lat = bp.ctx.latency(c.kind, c.axes)
                     combined[(op.scope, c.kind, c.axes, op.weight)] = lat
-                    add(c, op.weight, cls, lat=lat)
+                    add(c, op.weight, cls, lat=lat, where=f"{op.name} (op)")
                 else:
-                    add(c, op.weight, cls)
+                    add(c, op.weight, cls, where=f"{op.name} (op)")
             # Resharding inside the group.
             for k, ref in enumerate(op.operands):
                 if ref is None or bp.op_group.get(ref.op, (-1,))[0] != g or k >= len(st.ins):
@@ -187,6 +192,7 @@ def decode(
                         collective_class(
                             bp.param_shapes, c, op=op, source=leader(ref.op), rename=rename
                         ),
+                        where=f"{op.name} operand {k} {have}->{need} {t.shape}",
                     )
     # The same value resharded the same way for several readers is one collective in the
     # program (XLA's CSE merges identical ones: an FSDP parameter gathered for the forward
@@ -219,6 +225,7 @@ def decode(
                     rename=rename,
                     dest=leader(e.op),
                 ),
+                where=f"{op.name} operand {e.operand} {have}->{need} {t.shape}",
             )
 
     for (_, kind, axes, weight), lat in combined.items():
@@ -258,16 +265,37 @@ def decode(
     )
 
 
+@dataclass(frozen=True)
+class CollectiveSource:
+    """Where one predicted collective comes from (``decode(..., sources=[])``).
+
+    ``where`` names the operation that runs it (its strategy's own collective) or reads
+    the value resharded (with the layouts before and after and the value's shape).
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+    count: float
+    where_class: str
+    where: str
+
+
 def rename_spec(spec: Sharding, rename: Mapping[str, str]) -> Sharding:
     """``spec`` with its mesh axes renamed (problem axis names -> the plan's)."""
     return tuple(tuple(rename.get(a, a) for a in dim) for dim in spec)
 
 
 def pinned_activations(
-    bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str] | None = None
+    bp: BuiltProblem,
+    choice: Sequence[int],
+    rename: Mapping[str, str] | None = None,
+    *,
+    resharded: bool = True,
 ) -> tuple[ActivationConstraint, ...]:
-    """Pin every group leader's results, and every value that work on a state input
-    reads.
+    """Pin every group leader's results, every value that work on a state input reads,
+    and (``resharded``) every operand the plan reads in another layout than its
+    producer's.
 
     Inside a group the followers take the layout their leader implies, which is also
     what XLA's propagation infers from the leader. Work led by a state input (a running
@@ -276,7 +304,11 @@ def pinned_activations(
     activations it combines with (a batch-norm mean sharded over channels, and with it
     the convolution before it). Pinned, XLA keeps the layout the ILP priced. (Pinning
     every value read across groups was tried: it perturbs XLA's fusion of GPT's
-    followers and costs more collectives than it saves.)
+    followers and costs more collectives than it saves.) A resharded operand is pinned
+    as that consumer reads it (``ActivationConstraint.operand``): XLA's dot partitioner
+    otherwise picks its own way to move it (a partial sum and an all-reduce for a
+    contracted dimension both operands split, where the plan gathers one operand once for
+    the forward and the backward).
     """
     rename = dict(rename or {})
     crossing = {
@@ -305,7 +337,78 @@ def pinned_activations(
                         op.node.name_stack,
                     )
                 )
+    if resharded:
+        out.extend(_resharded_operands(bp, choice, rename))
     return tuple(out)
+
+
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+"""Operations whose operands are always pinned as the plan reads them: XLA partitions a
+contraction by its operands' layouts, and picks its own way (a partial sum and an
+all-reduce, a gather of both operands) when those are left to propagation."""
+
+
+def _resharded_operands(
+    bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str]
+) -> list[ActivationConstraint]:
+    """An operand constraint wherever the plan reads a value in another layout than it
+    was made in (with the value pinned where it is made), and on every contraction's
+    operands."""
+    out = []
+    seen: set[tuple] = set()
+    sources: set[tuple[int, int]] = {
+        (oi, port)
+        for g in bp.groups
+        for oi in g.ops[:1]
+        for port in range(len(bp.ops[oi].node.out_tensors))
+    }  # group leaders: pinned already
+    for oi, op in enumerate(bp.ops):
+        if op.kind != "node" or op.node.id < 0 or oi not in bp.op_group:
+            continue
+        st = bp.strategy(oi, choice)
+        for k, ref in enumerate(op.operands):
+            if ref is None or ref.op not in bp.op_group or k >= len(st.ins):
+                continue
+            need = st.ins[k]
+            if need is None or not op.node.in_tensors[k].ndim:
+                continue
+            have = bp.spec(ref, choice)
+            contraction = op.node.primitive in CONTRACTIONS
+            if (have == need and not contraction) or (op.node.id, k, op.scope) in seen:
+                continue
+            seen.add((op.node.id, k, op.scope))
+            out.append(
+                ActivationConstraint(
+                    op.node.id,
+                    0,
+                    to_plan_spec(rename_spec(need, rename)),
+                    op.scope,
+                    op.node.name_stack,
+                    operand=k,
+                )
+            )
+            # And the value where it is made: a consumer's constraint alone propagates
+            # back into an unpinned producer, moving the reshard elsewhere.
+            src = bp.ops[ref.op]
+            if (
+                have != need
+                and src.kind == "node"
+                and src.node.id >= 0
+                and src.scope == op.scope
+                and (ref.op, ref.port) not in sources
+                and not ref.delta
+            ):
+                sources.add((ref.op, ref.port))
+                out.append(
+                    ActivationConstraint(
+                        src.node.id,
+                        ref.port,
+                        to_plan_spec(rename_spec(have, rename)),
+                        src.scope,
+                        src.node.name_stack,
+                    )
+                )
+    return out
 
 
 def plan_constraints(graph: Graph, plan: Plan) -> tuple[dict[int, Sharding], dict]:
@@ -327,6 +430,8 @@ def plan_constraints(graph: Graph, plan: Plan) -> tuple[dict[int, Sharding], dic
     constraints = {}
     for a in plan.activations:
         _check_axes(a.spec, plan.mesh, f"activation {a.name or a.node}")
+        if a.operand is not None:
+            continue  # a consumer's view of a value: implied by the consumer's strategy
         constraints[(tuple(tuple(s) for s in a.scope), a.node, a.output)] = a.spec
     return fixed, constraints
 
@@ -477,6 +582,7 @@ def complete_plan(
 
 __all__ = [
     "PROPAGATION_PENALTY",
+    "CollectiveSource",
     "Evaluation",
     "complete_plan",
     "decode",

@@ -29,7 +29,9 @@ from autopar.errors import TraceFunctionError
 from autopar.trace.graph import Graph, Node
 
 Hook = Callable[[Node, list[Any]], Sequence[Any]]
-"""``hook(node, outvals) -> outvals``: same length, shapes and dtypes."""
+"""``hook(node, outvals) -> outvals``: same length, shapes and dtypes. A hook may also
+have a ``before(node, invals) -> invals`` method, applied to an equation's inputs (as that
+equation alone reads them) before it runs."""
 
 IntoBodies = bool | Callable[[Node], bool]
 
@@ -138,6 +140,15 @@ def bind_equation(
 ) -> list[Any]:
     """Run one equation (with ``params``, possibly hooked bodies) on ``invals`` and pass
     its results through ``hook``; the results as a list."""
+    before = getattr(hook, "before", None)
+    if before is not None:
+        new_in = list(before(node, list(invals)))
+        if len(new_in) != len(invals):
+            raise TraceFunctionError(
+                f"hook.before returned {len(new_in)} values for node {node.id} "
+                f"({node.primitive}), which reads {len(invals)}"
+            )
+        invals = new_in
     with eqn_context(eqn):
         outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     outs = list(outs) if eqn.primitive.multiple_results else [outs]

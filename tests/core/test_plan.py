@@ -32,7 +32,10 @@ def _plan() -> Plan:
             TensorSharding("batch/x", (8, 16), "float32", ("data", None), "batch"),
         ),
         outputs=(TensorSharding("loss", (), "float32", (), "other"),),
-        activations=(ActivationConstraint(12, 0, ("data", None, "tensor"), ((3, 0),), "h_0/mlp"),),
+        activations=(
+            ActivationConstraint(12, 0, ("data", None, "tensor"), ((3, 0),), "h_0/mlp"),
+            ActivationConstraint(14, 0, (None, "tensor"), (), "h_0/out", operand=1),
+        ),
         pipeline=PipelinePlan(((0, 6), (6, 12)), "1f1b", 8),
         remat="selective",
         zero_stage=1,

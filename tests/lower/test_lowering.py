@@ -189,6 +189,53 @@ def test_activation_constraints_top_level_and_inside_scan() -> None:
     assert not _loop_reshards(dump_spmd_hlo(off))
 
 
+def test_operand_constraints_choose_how_a_contraction_is_partitioned() -> None:
+    """x @ w with the contracted dim split over the mesh: XLA multiplies the local
+    shards and all-reduces the partial sums. The plan that reads both operands
+    replicated (gather them, then multiply) gets all-gathers and no all-reduce; the
+    value itself, and every other reader, keeps its split layout."""
+
+    def f(x, w):
+        return jnp.sum(jnp.tanh(x @ w) ** 2) + jnp.sum(x)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 64), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(2), (64, 48), jnp.float32) / 8
+    graph = trace(f, x, w)
+    dot = next(n for n in graph.nodes if n.primitive == "dot_general")
+    plan = Plan(
+        mesh={"data": 8},
+        inputs=(
+            TensorSharding("x", (32, 64), "float32", (None, "data"), "other"),
+            TensorSharding("w", (64, 48), "float32", ("data", None), "other"),
+        ),
+        outputs=(TensorSharding("out", (), "float32", (), "other"),),
+    )
+
+    def kinds(p: Plan) -> dict[str, float]:
+        lowered = lower_plan(f, p, (x, w), graph=graph)
+        np.testing.assert_allclose(lowered(x, w), jax.jit(f)(x, w), rtol=1e-5)
+        out: dict[str, float] = {}
+        for c in parse_collectives(dump_spmd_hlo(lowered)):
+            if c.bytes > 4:  # the scalar sums' all-reduces
+                out[c.kind] = out.get(c.kind, 0.0) + c.total_bytes
+        return out
+
+    assert kinds(plan) == {"all-reduce": 32 * 48 * 4}  # partial sums of the [32, 48] result
+    gathered = dataclasses.replace(
+        plan,
+        activations=(
+            ActivationConstraint(dot.id, 0, (None, None), name="x", operand=0),
+            ActivationConstraint(dot.id, 0, (None, None), name="w", operand=1),
+        ),
+    )
+    assert kinds(gathered) == {"all-gather": (32 * 64 + 64 * 48) * 4}  # both, whole
+    bad = dataclasses.replace(
+        plan, activations=(ActivationConstraint(dot.id, 0, (None,), name="x", operand=5),)
+    )
+    with pytest.raises(LowerPlanError, match=r"names operand 5, but dot_general has 2 operands"):
+        lower_plan(f, bad, (x, w), graph=graph)
+
+
 # ------------------------------------------------------------------------------- ZeRO-3
 
 
