@@ -407,11 +407,17 @@ def follow_strategy(
     ins, outs, reduce_axes = _RULES[node.primitive](node, operand, spec, ctx.mesh)
     comm: list[Collective] = []
     if reduce_axes:
-        # A reduction over a sharded dim leaves partial results: all-reduce them.
+        # A reduction over a sharded dim leaves partial results: all-reduce them, once per
+        # reduced dim (as XLA's partitioner does: see ``partial_groups``).
         out_bytes = sum(
             t.nbytes / shards(s, ctx.mesh) for t, s in zip(node.out_tensors, outs, strict=True)
         )
-        comm.append(ctx.collective("all-reduce", out_bytes, reduce_axes))
+        reduced = sorted(_tuple(node.params.get("axes", ())))
+        groups = (
+            partial_groups([ins[0][d] for d in reduced]) if node.primitive in REDUCTIONS else ()
+        )
+        for g in groups or (reduce_axes,):
+            comm.append(ctx.collective("all-reduce", out_bytes, g))
     if node.primitive in REDUCTIONS:
         work = shards(ins[0], ctx.mesh)
     else:
@@ -479,6 +485,20 @@ def _assignments(
     return out
 
 
+def partial_groups(per_dim: Sequence[tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:
+    """The all-reduces XLA emits for partial sums over several summed dims: one per dim
+    split over the mesh, the last dim's first, each of the whole result. (Measured: a
+    sum over dims split as ``("data", "tensor")`` gives an all-reduce over ``tensor``
+    then one over ``data``, both of the full buffer; over one dim split ``data+tensor``,
+    a single all-reduce over both.)
+
+    Example:
+        >>> partial_groups([("data",), (), ("tensor",)])
+        (('tensor',), ('data',))
+    """
+    return tuple(tuple(g) for g in reversed(per_dim) if g)
+
+
 def _resolve_partial(
     node: Node,
     ins: tuple,
@@ -488,9 +508,11 @@ def _resolve_partial(
     ctx: CostContext,
     name: str,
     tags: list[Tag],
+    groups: Sequence[tuple[str, ...]] = (),
 ) -> list[OpStrategy]:
-    """Strategies for a result with partial sums over ``partial``: all-reduce it, or
-    reduce-scatter it onto one result dim."""
+    """Strategies for a result with partial sums over ``partial``: all-reduce it (once
+    per summed dim, ``groups`` from :func:`partial_groups`; default one over all of
+    ``partial``), or reduce-scatter it onto one result dim."""
     mesh = ctx.mesh
     if not partial:
         return [_price(node, ins, (out,), work, ctx, name or "R", (), tags)]
@@ -505,7 +527,7 @@ def _resolve_partial(
             work,
             ctx,
             f"{name} AR({label})".strip(),
-            (ctx.collective("all-reduce", per_dev, partial),),
+            tuple(ctx.collective("all-reduce", per_dev, g) for g in (groups or (partial,))),
             [*tags, ("all-reduce", partial)],
         )
     ]
@@ -564,7 +586,8 @@ def _dot_general(node: Node, ctx: CostContext) -> list[OpStrategy]:
         tags = [(f"{k}{dim_of[k][i]}", v) for (k, i), v in sorted(amap.items()) if v]
         name = " ".join(f"{r}={'+'.join(v)}" for r, v in tags)
         ins = (tuple(ls), tuple(rs)) + tuple(replicated(t.ndim) for t in node.in_tensors[2:])
-        out += _resolve_partial(node, ins, tuple(res), partial, work, ctx, name, tags)
+        groups = partial_groups([ls[d] for d in sorted(lc)])
+        out += _resolve_partial(node, ins, tuple(res), partial, work, ctx, name, tags, groups)
     return _dedupe(out)
 
 
@@ -728,8 +751,12 @@ def _scatter(node: Node, ctx: CostContext) -> list[OpStrategy]:
         ins = (tuple(ops), tuple(idx), tuple(upd)) + tuple(
             replicated(t.ndim) for t in node.in_tensors[3:]
         )
+        groups = partial_groups(
+            [idx[j] for j in range(indices.ndim - 1) if j not in ibatch]
+            + [v for (k, _), v in sorted(amap.items()) if k == "idx"]
+        )
         out += _resolve_partial(
-            node, ins, tuple(ops), ctx.mesh.order(partial), work, ctx, name, tags
+            node, ins, tuple(ops), ctx.mesh.order(partial), work, ctx, name, tags, groups
         )
     return _dedupe(out)
 

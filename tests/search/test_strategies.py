@@ -102,6 +102,34 @@ def test_reduction_over_a_sharded_dim_all_reduces():
     assert s.outs == ((("x",),),) and s.comm == ()
 
 
+def test_sums_over_dims_split_on_different_axes_all_reduce_once_per_dim():
+    # Measured on 8 CPU devices (post-partitioning HLO, mesh data=2 x tensor=4): summing
+    # a [8, 16, 64] array over dims 0 and 1 laid out (data, tensor) emits an all-reduce
+    # over tensor, then one over data, each of the whole [64] result (256 bytes); laid
+    # out (data+tensor, -), one all-reduce over both. The same holds for an einsum
+    # "bsh,bsk->hk" contracting both dims: two all-reduces of the [64, 32] result.
+    ctx = CostContext(CLUSTER, {"data": 2, "tensor": 4})
+    r = _node("reduce_sum", [(8, 16, 64)], [(64,)], 0.0, axes=(0, 1))
+    s = follow_strategy(r, 0, (("data",), ("tensor",), ()), ctx)
+    assert [(c.kind, c.axes, c.nbytes) for c in s.comm] == [
+        ("all-reduce", ("tensor",), 256),
+        ("all-reduce", ("data",), 256),
+    ]
+    s = follow_strategy(r, 0, (("data", "tensor"), (), ()), ctx)
+    assert [(c.kind, c.axes, c.nbytes) for c in s.comm] == [("all-reduce", ("data", "tensor"), 256)]
+    mm = _node(
+        "dot_general", [(8, 16, 64), (8, 16, 32)], [(64, 32)], 0.0,
+        dimension_numbers=(((0, 1), (0, 1)), ((), ())),
+    )  # fmt: skip
+    split = ((("data",), ("tensor",), ()), (("data",), ("tensor",), ()))
+    ar = [s for s in enumerate_strategies(mm, ctx) if s.ins[:2] == split and s.outs[0] == ((), ())]
+    assert len(ar) == 1
+    assert [(c.kind, c.axes, c.nbytes) for c in ar[0].comm] == [
+        ("all-reduce", ("tensor",), 64 * 32 * 4),
+        ("all-reduce", ("data",), 64 * 32 * 4),
+    ]
+
+
 def test_cumsum_and_slices_do_not_shard_their_dim():
     ctx = CostContext(CLUSTER, {"x": 2})
     c = _node("cumsum", [(8, 4)], [(8, 4)], axis=1)
