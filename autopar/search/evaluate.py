@@ -387,6 +387,21 @@ def _resharded_operands(
                     operand=k,
                 )
             )
+            if have != need and (oi, 0) not in sources:
+                # The consumer's results too: propagation would otherwise lay out an
+                # elementwise consumer like its other operands and reshard again after.
+                sources.update((oi, port) for port in range(len(st.outs)))
+                out.extend(
+                    ActivationConstraint(
+                        op.node.id,
+                        port,
+                        to_plan_spec(rename_spec(spec, rename)),
+                        op.scope,
+                        op.node.name_stack,
+                    )
+                    for port, spec in enumerate(st.outs)
+                    if op.node.out_tensors[port].ndim
+                )
             # And the value where it is made: a consumer's constraint alone propagates
             # back into an unpinned producer, moving the reshard elsewhere.
             src = bp.ops[ref.op]
