@@ -111,6 +111,8 @@ class ActivationConstraint:
     a value to for one consumer, so XLA moves it the planned way rather than choosing its
     own (a dot contracting a dimension both operands split, say, which it would reduce
     with an all-reduce where the plan gathers one operand once for forward and backward).
+    Several constraints on one operand are applied in the plan's order: the steps of a
+    reshard (an all-to-all, then a gather, then a slice), each one XLA does as planned.
     """
 
     node: int

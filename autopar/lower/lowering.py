@@ -7,7 +7,9 @@
 * ``with_sharding_constraint`` at ``plan.activations``, inserted by re-interpreting the
   traced, inlined jaxpr (loop bodies included, addressed by ``scope``) when a graph is
   given; without constraints the user's function itself is jitted;
-* ZeRO-3 (``plan.zero_stage == 3``): parameters sharded over data-parallel axes are
+* ZeRO-3 (``plan.zero_stage == 3``): a completed plan (``autopar.complete``, or the
+  planner's) gathers each parameter where it is used, by its operand constraints. In a
+  plan without activation constraints, parameters sharded over data-parallel axes are
   constrained to their *gathered* spec at the step's entry, which makes XLA all-gather
   weights (not activations, its choice without the constraint) and, transposing the
   constraint, reduce their gradients to the sharded update's layout (all-reduce +
@@ -515,7 +517,9 @@ def lower_plan(
         rewrite = plan_remat(graph, remat)
         body = _interpreted(graph, constraints, mesh, out_tree, rewrite)
 
-    if plan.zero_stage == 3:
+    if plan.zero_stage == 3 and not constraints:
+        # A completed plan says how every use reads each parameter (gathered right
+        # before it, operand constraints); a bare one gets them gathered at entry.
         body = _zero3_gather(body, plan, mesh, in_tree)
 
     donate = tuple(dyn_pos.index(i) for i in options.donate_argnums if i in dyn_pos)

@@ -22,7 +22,13 @@ from autopar.errors import InvalidOptionError, LoadPlanError
 from autopar.plan import ActivationConstraint, Plan, Predicted, PredictedCollective
 from autopar.search.costs import CostContext
 from autopar.search.ilp import BuiltProblem, ProblemBuilder, collective_class, objective_weight
-from autopar.search.sharding import Collective, Sharding, from_plan_spec, to_plan_spec
+from autopar.search.sharding import (
+    Collective,
+    Sharding,
+    from_plan_spec,
+    reshard_steps,
+    to_plan_spec,
+)
 from autopar.search.solver import solve
 from autopar.trace.graph import Graph
 
@@ -342,6 +348,10 @@ def pinned_activations(
     return tuple(out)
 
 
+def _reads_several(op: Any) -> bool:
+    return sum(1 for t in op.node.in_tensors if t.ndim) > 1
+
+
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 """Operations whose operands are always pinned as the plan reads them: XLA partitions a
 contraction by its operands' layouts, and picks its own way (a partial sum and an
@@ -377,19 +387,25 @@ def _resharded_operands(
             if (have == need and not contraction) or (op.node.id, k, op.scope) in seen:
                 continue
             seen.add((op.node.id, k, op.scope))
-            out.append(
+            # Step by step, as priced (applied in order by the lowering).
+            t = op.node.in_tensors[k]
+            steps = reshard_steps(t.shape, have, need, bp.ctx.mesh) if have != need else (need,)
+            out.extend(
                 ActivationConstraint(
                     op.node.id,
                     0,
-                    to_plan_spec(rename_spec(need, rename)),
+                    to_plan_spec(rename_spec(step, rename)),
                     op.scope,
                     op.node.name_stack,
                     operand=k,
                 )
+                for step in steps
             )
-            if have != need and (oi, 0) not in sources:
+            if have != need and (oi, 0) not in sources and _reads_several(op):
                 # The consumer's results too: propagation would otherwise lay out an
-                # elementwise consumer like its other operands and reshard again after.
+                # n-ary consumer like its other operands and reshard again after. (Not
+                # for unary ones: a pinned reshape or transpose right after a reshard
+                # leaves XLA two layouts it cannot convert between efficiently.)
                 sources.update((oi, port) for port in range(len(st.outs)))
                 out.extend(
                     ActivationConstraint(

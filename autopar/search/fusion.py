@@ -81,6 +81,31 @@ def materialised_values(graph: Graph) -> set[int]:
                 out.add(v)
             elif len(users) > 1 and node.primitive in EXPENSIVE:
                 out.add(v)  # XLA duplicates only cheap producers into several fusions
+    out -= _scattered_into_sums(graph, nodes)
+    return out
+
+
+SCATTER_ADDS: frozenset[str] = frozenset({"scatter-add", "scatter_add"})
+
+
+def _scattered_into_sums(graph: Graph, nodes: dict) -> set[int]:
+    """Results of a scatter-add into a broadcast constant (zeros) whose only reader adds
+    them to something: XLA rewrites ``x + scatter_add(0, i, u)`` into
+    ``scatter_add(x, i, u)``, updating ``x``'s buffer in place, so the scatter's own
+    result is never stored. (The gradient of ``take_along_axis``, in every language
+    model's cross-entropy: the [batch, seq, vocab] one-hot part of the logits' gradient.)
+    """
+    out = set()
+    for node in graph.nodes:
+        if node.primitive not in SCATTER_ADDS or not node.inputs or node.inputs[0] < 0:
+            continue
+        src = graph.producer.get(node.inputs[0])
+        init = nodes.get(src)
+        if init is None or init.primitive != "broadcast_in_dim" or init.in_tensors[0].ndim:
+            continue
+        users = graph.consumers.get(node.outputs[0], ())
+        if len(users) == 1 and nodes[users[0]].primitive in ("add", "add_any"):
+            out.add(node.outputs[0])
     return out
 
 

@@ -268,6 +268,47 @@ class Collective:
     time_s: float
 
 
+def reshard_steps(
+    shape: Sequence[int], src: Sharding, dst: Sharding, mesh: MeshShape
+) -> tuple[Sharding, ...]:
+    """The layouts a reshard ``src`` -> ``dst`` passes through, in the order the cost
+    model prices it (:func:`reshard_plan`): the axes that move to another dim by
+    all-to-all first, then the axes that leave gathered, then new axes sliced. Each
+    step is one primitive collective (or a free slice), which is how XLA realises it
+    when told step by step; left to choose, it sometimes replicates the whole tensor
+    ("involuntary full rematerialization") or slices first. The last layout is ``dst``;
+    intermediate layouts that would not divide a dim are skipped.
+
+    Example:
+        >>> m = MeshShape.from_mapping({"d": 2, "f": 2, "e": 2})
+        >>> reshard_steps((8, 8), ((), ("d",)), (("d", "f"), ("e",)), m)
+        ((('d',), ()), (('d', 'f'), ('e',)))
+    """
+    a2a, gather = reshard_plan(shape, src, dst, mesh)
+    steps: list[Sharding] = []
+
+    def fits(spec: Sharding) -> bool:
+        return all(n % mesh.prod(dim) == 0 for n, dim in zip(shape, spec, strict=True))
+
+    cur = src
+    if a2a:
+        moved = set(a2a)
+        mid = tuple(
+            tuple(a for a in s if a not in moved) + tuple(a for a in d if a in moved)
+            for s, d in zip(src, dst, strict=True)
+        )
+        if fits(mid) and mid != dst:
+            steps.append(mid)
+            cur = mid
+    if gather:
+        left = set(gather)
+        mid = tuple(tuple(a for a in dim if a not in left) for dim in cur)
+        if fits(mid) and mid != dst and mid != cur:
+            steps.append(mid)
+    steps.append(dst)
+    return tuple(steps)
+
+
 def reshard_plan(
     shape: Sequence[int], src: Sharding, dst: Sharding, mesh: MeshShape
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:

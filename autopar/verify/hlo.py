@@ -12,7 +12,11 @@ kind                   bytes
 ``all-gather``         the full gathered output: the result shape.
 ``reduce-scatter``     the full input: result shape x group size (an ``all-reduce`` whose
                        users are all ``dynamic-slice`` s cutting it ``group size`` ways is
-                       counted as a reduce-scatter of the all-reduce's buffer).
+                       counted as a reduce-scatter of the all-reduce's buffer; one whose
+                       users are all ``collective-permute`` s, as a reduce-scatter of
+                       buffer x group size: XLA reduces a slice picked by an axis the
+                       operands are replicated over, then sends each slice to the
+                       device that owns it, a reduce-scatter's result and wire bytes).
 ``all-to-all``         the buffer: the result shape (= the input's).
 ``collective-permute`` the buffer sent: the result shape.
 =====================  ====================================================================
@@ -508,6 +512,17 @@ def _reduce_scatter_like(comp: _Comp, ar: _Instr, group_size: int) -> bool:
     return True
 
 
+def _permuted_slice(comp: _Comp, ar: _Instr, group_size: int) -> bool:
+    """An all-reduce whose every user is a collective-permute (a reduce-scatter done as
+    slice, all-reduce, send to the owner)."""
+    if group_size <= 1 or ar.type_str.startswith("("):
+        return False
+    users = [i for i in comp.instrs.values() if ar.name in i.operands]
+    return bool(users) and all(
+        u.opcode in ("collective-permute", "collective-permute-start") for u in users
+    )
+
+
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[HloCollective]:
     """Every collective of an HLO module with bytes (module doc) and executions per step.
 
@@ -562,6 +577,9 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
                 nbytes *= gsize  # the full input
             elif base == "all-reduce" and _reduce_scatter_like(comp, ins, gsize):
                 kind = "reduce-scatter"
+            elif base == "all-reduce" and _permuted_slice(comp, ins, gsize):
+                kind = "reduce-scatter"
+                nbytes *= gsize  # the full input of the reduce-scatter it implements
             out.append(
                 HloCollective(
                     kind=kind,

@@ -106,6 +106,25 @@ def test_all_reduce_then_dynamic_slice_is_a_reduce_scatter() -> None:
     assert got["ar3"].kind == "all-reduce"
 
 
+def test_all_reduce_of_a_slice_sent_to_its_owner_is_a_reduce_scatter() -> None:
+    # As XLA emits for a [4, 64] weight gradient summed over "data" (2 devices) and
+    # scattered over it on dim 1, with the operands replicated over another axis: each
+    # device reduces the [4, 32] half that axis picks, then sends it to the device owning
+    # that half. Result and wire bytes of a reduce-scatter of the [4, 64] sum: 1024 bytes.
+    body = """  %p = f32[4,32]{1,0} parameter(0)
+  %ar = f32[4,32]{1,0} all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+  %cp = f32[4,32]{1,0} collective-permute(%ar), channel_id=2, source_target_pairs={{0,0},{1,2},{2,1},{3,3}}
+  %ar2 = f32[4,32]{1,0} all-reduce(%p), channel_id=3, replica_groups=[4,2]<=[8], to_apply=%add
+  %cp2 = f32[4,32]{1,0} collective-permute(%ar2), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %use = f32[4,32]{1,0} negate(%ar2)
+  ROOT %r = f32[] constant(0)"""
+    got = {c.name: c for c in parse_collectives(_entry(body))}
+    assert (got["ar"].kind, got["ar"].bytes) == ("reduce-scatter", 4 * 64 * 4)
+    assert got["cp"].kind == "collective-permute"
+    # ar2: another user reads the sum itself -> a real all-reduce.
+    assert (got["ar2"].kind, got["ar2"].bytes) == ("all-reduce", 4 * 32 * 4)
+
+
 LOOPS = """HloModule loops, num_partitions=4
 
 %add (x: f32[], y: f32[]) -> f32[] {

@@ -16,6 +16,7 @@ from autopar.errors import LoadPlanError, LowerPlanError
 from autopar.lower import lower_plan, make_mesh, remat_policy
 from autopar.options import LoweringOptions
 from autopar.plan import ActivationConstraint, PipelinePlan, Plan, TensorSharding
+from autopar.search.sharding import to_plan_spec
 from autopar.trace import trace
 from autopar.verify import dump_spmd_hlo, parse_collectives
 from tests.lower._zoo import PARAM_ATOL, lowered_case, reference
@@ -234,6 +235,39 @@ def test_operand_constraints_choose_how_a_contraction_is_partitioned() -> None:
     )
     with pytest.raises(LowerPlanError, match=r"names operand 5, but dot_general has 2 operands"):
         lower_plan(f, bad, (x, w), graph=graph)
+
+
+def test_operand_constraints_apply_in_order_as_reshard_steps() -> None:
+    """Moving axis d from dim 1 to dim 0 while splitting dim 0 further over f: the plan
+    prices an all-to-all of the per-device buffer (8*8*8*4 / 2 = 1024 bytes) and a free
+    slice. Told step by step (reshard_steps), XLA does exactly that; told only the end
+    layout it may replicate the whole tensor instead."""
+    from autopar.search.sharding import MeshShape, reshard_steps
+
+    mesh = {"d": 2, "f": 2, "e": 2}
+    src, dst = ((), ("d",), ()), (("d", "f"), (), ())
+    steps = reshard_steps((8, 8, 8), src, dst, MeshShape.from_mapping(mesh))
+    assert steps == ((("d",), (), ()), dst)
+
+    def f(x):
+        return jnp.tanh(x)
+
+    x = jnp.arange(512, dtype=jnp.float32).reshape(8, 8, 8) / 512
+    graph = trace(f, x)
+    (tanh,) = [n for n in graph.nodes if n.primitive == "tanh"]
+    plan = Plan(
+        mesh=mesh,
+        inputs=(TensorSharding("x", (8, 8, 8), "float32", (None, "d", None), "other"),),
+        outputs=(TensorSharding("out", (8, 8, 8), "float32", (("d", "f"), None, None), "other"),),
+        activations=tuple(
+            ActivationConstraint(tanh.id, 0, to_plan_spec(s), name=f"step{i}", operand=0)
+            for i, s in enumerate(steps)
+        ),
+    )
+    lowered = lower_plan(f, plan, (x,), graph=graph)
+    np.testing.assert_allclose(lowered(x), jnp.tanh(x), rtol=1e-6)
+    got = [(c.kind, c.bytes) for c in parse_collectives(dump_spmd_hlo(lowered))]
+    assert got == [("all-to-all", 1024.0)]
 
 
 # ------------------------------------------------------------------------------- ZeRO-3
