@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.search.sharding import Collective, MeshShape, Sharding, reshard_plan, shards
+from autopar.search.sharding import Collective, MeshShape, Sharding, reshard_moves, shards
 
 ComputeKind = str  # "matmul" | "elementwise" | "reduction" | "other"
 
@@ -106,9 +106,11 @@ class CostContext:
     ) -> tuple[float, tuple[Collective, ...]]:
         """Time and collectives to turn a tensor laid out as ``src`` into ``dst``.
 
-        All-to-alls move axes between dims first (on the per-device buffer), then the axes
-        that leave are all-gathered together (``nbytes`` = the gathered buffer); axes that
-        newly appear are free local slices.
+        All-to-alls move axes between dims first (on the per-device buffer), axes that
+        keep their dim behind other outer axes are sent to their new owners (one
+        collective-permute of the buffer), then the axes that leave are all-gathered
+        together (``nbytes`` = the gathered buffer); axes that newly appear are free local
+        slices (:func:`~autopar.search.sharding.reshard_moves`).
         """
         if src == dst:
             return 0.0, ()
@@ -116,21 +118,23 @@ class CostContext:
         hit = self._reshard.get(key)
         if hit is not None:
             return hit
-        a2a, gather = reshard_plan(shape, src, dst, self.mesh)
+        a2a, gather, reorder = reshard_moves(shape, src, dst, self.mesh)
         total = math.prod(shape) * itemsize(dtype)
         per_device = total / shards(src, self.mesh)
         colls: list[Collective] = []
         if a2a:
             colls.append(self.collective("all-to-all", per_device, a2a))
+        swapped = _swapped_axes(src, dst)
+        if reorder or swapped:
+            # Axes that keep their dim behind other outer axes, or trade places, change
+            # the device order of the tiles: XLA sends each block to its new owner with a
+            # collective-permute (measured: d0,e1 -> e0,d1 is an all-to-all plus a
+            # permute; e+d,- -> d,- is a permute of the buffer plus a gather of e).
+            nbytes = per_device if reorder else total / shards(dst, self.mesh)
+            p2p = self.collective("p2p", nbytes, self.mesh.order(set(reorder) | set(swapped)))
+            colls.append(Collective("collective-permute", p2p.axes, p2p.nbytes, p2p.time_s))
         if gather:
             colls.append(self.collective("all-gather", per_device * self.mesh.prod(gather), gather))
-        swapped = _swapped_axes(src, dst)
-        if swapped:
-            # Axes that trade places change the device order of the tiles: XLA adds a
-            # collective-permute of the destination buffer (measured: d0,e1 -> e0,d1 is an
-            # all-to-all plus a permute).
-            p2p = self.collective("p2p", total / shards(dst, self.mesh), self.mesh.order(swapped))
-            colls.append(Collective("collective-permute", p2p.axes, p2p.nbytes, p2p.time_s))
         out = (sum(c.time_s for c in colls), tuple(colls))
         self._reshard[key] = out
         return out

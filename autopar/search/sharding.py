@@ -312,16 +312,35 @@ def reshard_steps(
 def reshard_plan(
     shape: Sequence[int], src: Sharding, dst: Sharding, mesh: MeshShape
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Which axes move by all-to-all and which are gathered going ``src`` -> ``dst``.
+    """Which axes move by all-to-all and which are gathered going ``src`` -> ``dst``
+    (:func:`reshard_moves` without the reordered axes)."""
+    a2a, gather, _ = reshard_moves(shape, src, dst, mesh)
+    return a2a, gather
+
+
+def reshard_moves(
+    shape: Sequence[int], src: Sharding, dst: Sharding, mesh: MeshShape
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """Axes that move by all-to-all, axes gathered, and axes reordered going ``src`` ->
+    ``dst``.
 
     An axis that stays on the same dimension behind the same outer axes is free; one that
     newly appears is a local slice (free); one that leaves is all-gathered; one that moves
-    to another dimension is an all-to-all.
+    to another dimension is an all-to-all; one that stays on its dimension behind other
+    outer axes is reordered (XLA sends each block to its new owner with a
+    collective-permute; measured: ``(e+d, -) -> (d, -)`` is a permute of the per-device
+    buffer and a gather of ``e``).
+
+    Example:
+        >>> m = MeshShape.from_mapping({"d": 2, "f": 2, "e": 2})
+        >>> reshard_moves((8, 8), (("e", "d", "f"), ()), (("d", "f"), ()), m)
+        ((), ('e',), ('d', 'f'))
     """
     where_src = {a: (d, dim[: dim.index(a)]) for d, dim in enumerate(src) for a in dim}
     where_dst = {a: (d, dim[: dim.index(a)]) for d, dim in enumerate(dst) for a in dim}
     a2a: list[str] = []
     gather: list[str] = []
+    reorder: list[str] = []
     for axis, (d, prefix) in where_src.items():
         if axis not in where_dst:
             gather.append(axis)
@@ -329,7 +348,7 @@ def reshard_plan(
         d2, prefix2 = where_dst[axis]
         if d2 == d:
             if prefix != prefix2:
-                gather.append(axis)
+                reorder.append(axis)
         else:
             a2a.append(axis)
-    return mesh.order(a2a), mesh.order(gather)
+    return mesh.order(a2a), mesh.order(gather), mesh.order(reorder)

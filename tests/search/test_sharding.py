@@ -102,3 +102,38 @@ def test_axes_trading_places_cost_a_collective_permute():
     assert set(permutes[0].axes) == {"data", "expert"}
     _, colls = ctx.reshard((64, 64), "float32", (("data", "expert"), ()), (("data",), ("expert",)))
     assert not [c for c in colls if c.kind == "collective-permute"]
+
+
+def test_axes_keeping_their_dim_behind_other_axes_are_permuted_not_gathered():
+    # Measured on 8 CPU devices (post-partitioning HLO), a float32 [8, 8, 8] on mesh
+    # d=2, f=2, e=2 (per-device buffers: 2048 bytes / ways):
+    #   (e+d+f, -, -) -> (d+f, -, -): collective-permute 256 + all-gather over e 512
+    #   (e+d, -, -)   -> (d, -, -):   collective-permute 512 + all-gather over e 1024
+    #   (d+f, -, -)   -> (f, d, -):   all-to-all over d 512 + collective-permute 512
+    #   (d+e, -, -)   -> (d, -, -):   all-gather over e 1024 (d keeps its place)
+    #   (d+f, -, -)   -> (d, -, f):   all-to-all over f 512 (d keeps its place)
+    #   (e, -, d+f)   -> (e+d+f, -, -): all-to-all over d+f 256 (dim 2 empties: no permute)
+    from autopar.search.costs import CostContext
+    from cost_models import Cluster
+
+    ctx = CostContext(Cluster.preset("dgx-a100-80gb"), {"d": 2, "f": 2, "e": 2})
+
+    def colls(src, dst):
+        _, cs = ctx.reshard((8, 8, 8), "float32", src, dst)
+        return sorted((c.kind, c.nbytes) for c in cs)
+
+    assert colls((("e", "d", "f"), (), ()), (("d", "f"), (), ())) == [
+        ("all-gather", 512),
+        ("collective-permute", 256),
+    ]
+    assert colls((("e", "d"), (), ()), (("d",), (), ())) == [
+        ("all-gather", 1024),
+        ("collective-permute", 512),
+    ]
+    assert colls((("d", "f"), (), ()), (("f",), ("d",), ())) == [
+        ("all-to-all", 512),
+        ("collective-permute", 512),
+    ]
+    assert colls((("d", "e"), (), ()), (("d",), (), ())) == [("all-gather", 1024)]
+    assert colls((("d", "f"), (), ()), (("d",), (), ("f",))) == [("all-to-all", 512)]
+    assert colls((("e",), (), ("d", "f")), (("e", "d", "f"), (), ())) == [("all-to-all", 256)]
