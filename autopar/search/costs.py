@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from autopar.search.sharding import Collective, MeshShape, Sharding, reshard_moves, shards
+from autopar.search.sharding import (
+    Collective,
+    MeshShape,
+    Sharding,
+    reshard_moves,
+    reshard_steps,
+    shards,
+)
 
 ComputeKind = str  # "matmul" | "elementwise" | "reduction" | "other"
 
@@ -118,6 +125,25 @@ class CostContext:
         hit = self._reshard.get(key)
         if hit is not None:
             return hit
+        steps = reshard_steps(shape, src, dst, self.mesh)
+        if len(steps) > 1:
+            # Priced as lowered: one primitive step after another (an axis that stays
+            # behind while another leaves its dim is reordered in the first step even if
+            # a later one gathers it).
+            colls = []
+            prev = src
+            for step in steps:
+                colls.extend(self._reshard_step(shape, dtype, prev, step))
+                prev = step
+        else:
+            colls = self._reshard_step(shape, dtype, src, dst)
+        out = (sum(c.time_s for c in colls), tuple(colls))
+        self._reshard[key] = out
+        return out
+
+    def _reshard_step(
+        self, shape: Sequence[int], dtype: str, src: Sharding, dst: Sharding
+    ) -> list[Collective]:
         a2a, gather, reorder = reshard_moves(shape, src, dst, self.mesh)
         total = math.prod(shape) * itemsize(dtype)
         per_device = total / shards(src, self.mesh)
@@ -135,9 +161,7 @@ class CostContext:
             colls.append(Collective("collective-permute", p2p.axes, p2p.nbytes, p2p.time_s))
         if gather:
             colls.append(self.collective("all-gather", per_device * self.mesh.prod(gather), gather))
-        out = (sum(c.time_s for c in colls), tuple(colls))
-        self._reshard[key] = out
-        return out
+        return colls
 
 
 def _swapped_axes(src: Sharding, dst: Sharding) -> tuple[str, ...]:

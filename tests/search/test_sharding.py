@@ -6,6 +6,7 @@ from autopar.search.sharding import (
     from_plan_spec,
     reshape_sharding,
     reshard_plan,
+    reshard_steps,
     shards,
     to_plan_spec,
 )
@@ -137,3 +138,26 @@ def test_axes_keeping_their_dim_behind_other_axes_are_permuted_not_gathered():
     assert colls((("d", "e"), (), ()), (("d",), (), ())) == [("all-gather", 1024)]
     assert colls((("d", "f"), (), ()), (("d",), (), ("f",))) == [("all-to-all", 512)]
     assert colls((("e",), (), ("d", "f")), (("e", "d", "f"), (), ())) == [("all-to-all", 256)]
+
+
+def test_a_reshard_is_priced_step_by_step_as_it_is_lowered():
+    # (d+f, -, -) -> (-, d, -): d moves (all-to-all) and f leaves (all-gather). Lowered
+    # as reshard_steps, XLA (8 CPU devices, float32 [8, 8, 8]) first moves d, which
+    # leaves f alone on dim 0 behind no outer axis (a permute of the 512-byte buffer),
+    # then gathers f: all-to-all 512 + collective-permute 512 + all-gather 1024.
+    from autopar.search.costs import CostContext
+    from cost_models import Cluster
+
+    mesh = {"d": 2, "f": 2, "e": 2}
+    src, dst = (("d", "f"), (), ()), ((), ("d",), ())
+    assert reshard_steps((8, 8, 8), src, dst, MeshShape.from_mapping(mesh)) == (
+        (("f",), ("d",), ()),
+        dst,
+    )
+    ctx = CostContext(Cluster.preset("dgx-a100-80gb"), mesh)
+    _, colls = ctx.reshard((8, 8, 8), "float32", src, dst)
+    assert sorted((c.kind, c.nbytes) for c in colls) == [
+        ("all-gather", 1024),
+        ("all-to-all", 512),
+        ("collective-permute", 512),
+    ]
