@@ -14,9 +14,9 @@ kind                   bytes
                        users are all ``dynamic-slice`` s cutting it ``group size`` ways is
                        counted as a reduce-scatter of the all-reduce's buffer; one whose
                        users are all ``collective-permute`` s, as a reduce-scatter of
-                       buffer x group size: XLA reduces a slice picked by an axis the
-                       operands are replicated over, then sends each slice to the
-                       device that owns it, a reduce-scatter's result and wire bytes).
+                       buffer x group size, those permutes being part of it: XLA
+                       reduces a slice picked by an axis the operands are replicated
+                       over, then sends each slice to the device that owns it).
 ``all-to-all``         the buffer: the result shape (= the input's).
 ``collective-permute`` the buffer sent: the result shape.
 =====================  ====================================================================
@@ -552,12 +552,15 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
         count, known = mults[comp.name]
         if count == 0:
             continue
+        absorbed: set[str] = set()  # all-reduces that are a reduce-scatter's first leg
         for name in comp.order:
             ins = comp.instrs[name]
             op = ins.opcode
             base = op[: -len("-start")] if op.endswith("-start") else op
             if base not in KINDS:
                 continue
+            if base == "collective-permute" and ins.operands and ins.operands[0] in absorbed:
+                continue  # the reduce-scatter's second leg: counted with it
             type_str = ins.type_str
             if op.endswith("-start") and type_str.startswith("("):
                 parts = _split_top(type_str[1:-1])
@@ -580,6 +583,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
             elif base == "all-reduce" and _permuted_slice(comp, ins, gsize):
                 kind = "reduce-scatter"
                 nbytes *= gsize  # the full input of the reduce-scatter it implements
+                absorbed.add(ins.name)
             out.append(
                 HloCollective(
                     kind=kind,
