@@ -543,6 +543,7 @@ def evaluate_plan(
     time_limit_s: float = 60.0,
     coarsen: bool = True,
     memory_limit_bytes: float | None = None,
+    sources: list[CollectiveSource] | None = None,
 ) -> Evaluation:
     """Score ``plan`` for ``graph`` on ``cluster`` with the planner's cost model.
 
@@ -559,6 +560,9 @@ def evaluate_plan(
         time_limit_s: limit of the completion solve.
         coarsen: as in ``SearchOptions.coarsen`` (keep it equal to the planner's).
         memory_limit_bytes: report whether the plan fits this bound (``Evaluation.fits``).
+        sources: if a list, filled with one :class:`CollectiveSource` per predicted
+            collective: which operation runs it or which value it reshards (the first
+            place to look when ``autopar.verify`` disagrees).
 
     Returns:
         The breakdown. For a plan the planner made (every layout pinned), the layouts are
@@ -574,7 +578,9 @@ def evaluate_plan(
         0.0123
     """
     bp, sol = _complete(graph, plan, cluster, time_limit_s, coarsen)
-    return decode(bp, sol.choice, status=sol.status, memory_limit=memory_limit_bytes)
+    return decode(
+        bp, sol.choice, status=sol.status, memory_limit=memory_limit_bytes, sources=sources
+    )
 
 
 def complete_plan(

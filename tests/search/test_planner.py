@@ -127,6 +127,12 @@ def test_hand_written_data_parallel_plan_is_scored_and_beaten(mlp_batch_heavy):
     assert ev.memory_breakdown["params"] == pytest.approx(2 * 256 * 256 * 4)  # replicated
     best = plan_graph(g, FOUR, SearchOptions(mesh={"data": 4}))
     assert best.predicted.objective <= ev.objective_s * (1 + 1e-9)
+    # Where each predicted collective comes from: the two weight-gradient matmuls.
+    sources = []
+    evaluate_plan(g, dp, FOUR, sources=sources)
+    ar = [s for s in sources if s.kind == "all-reduce"]
+    assert sorted(s.bytes for s in ar) == [256 * 256 * 4] * 2
+    assert all(s.where.startswith("transpose(") and s.where.endswith("(op)") for s in ar)
 
 
 def _stored_state(plan):
