@@ -130,7 +130,7 @@ def test_hand_written_data_parallel_plan_is_scored_and_beaten(mlp_batch_heavy):
     # Where each predicted collective comes from: the two weight-gradient matmuls.
     sources = []
     evaluate_plan(g, dp, FOUR, sources=sources)
-    ar = [s for s in sources if s.kind == "all-reduce"]
+    ar = [s for s in sources if s.where_class == "dp_grad"]
     assert sorted(s.bytes for s in ar) == [256 * 256 * 4] * 2
     assert all(s.where.startswith("transpose(") and s.where.endswith("(op)") for s in ar)
 
