@@ -334,18 +334,29 @@ def pinned_activations(
                     continue
                 if pos and (oi, port) not in crossing:
                     continue
-                out.append(
-                    ActivationConstraint(
-                        op.node.id,
-                        port,
-                        to_plan_spec(rename_spec(spec, rename)),
-                        op.scope,
-                        op.node.name_stack,
-                    )
-                )
+                out.append(_pin(op, spec, rename, port))
     if resharded:
         out.extend(_resharded_operands(bp, choice, rename))
     return tuple(out)
+
+
+def _pin(
+    op: Any,
+    spec: Sharding,
+    rename: Mapping[str, str],
+    port: int = 0,
+    operand: int | None = None,
+) -> ActivationConstraint:
+    """The constraint laying out ``op``'s result ``port`` (or, with ``operand``, its
+    input as it reads it) as ``spec``, in the plan's axis names."""
+    return ActivationConstraint(
+        op.node.id,
+        port,
+        to_plan_spec(rename_spec(spec, rename)),
+        op.scope,
+        op.node.name_stack,
+        operand=operand,
+    )
 
 
 def _reads_several(op: Any) -> bool:
@@ -390,17 +401,7 @@ def _resharded_operands(
             # Step by step, as priced (applied in order by the lowering).
             t = op.node.in_tensors[k]
             steps = reshard_steps(t.shape, have, need, bp.ctx.mesh) if have != need else (need,)
-            out.extend(
-                ActivationConstraint(
-                    op.node.id,
-                    0,
-                    to_plan_spec(rename_spec(step, rename)),
-                    op.scope,
-                    op.node.name_stack,
-                    operand=k,
-                )
-                for step in steps
-            )
+            out.extend(_pin(op, step, rename, operand=k) for step in steps)
             if have != need and (oi, 0) not in sources and _reads_several(op):
                 # The consumer's results too: propagation would otherwise lay out an
                 # n-ary consumer like its other operands and reshard again after. (Not
@@ -408,13 +409,7 @@ def _resharded_operands(
                 # leaves XLA two layouts it cannot convert between efficiently.)
                 sources.update((oi, port) for port in range(len(st.outs)))
                 out.extend(
-                    ActivationConstraint(
-                        op.node.id,
-                        port,
-                        to_plan_spec(rename_spec(spec, rename)),
-                        op.scope,
-                        op.node.name_stack,
-                    )
+                    _pin(op, spec, rename, port)
                     for port, spec in enumerate(st.outs)
                     if op.node.out_tensors[port].ndim
                 )
@@ -430,15 +425,7 @@ def _resharded_operands(
                 and not ref.delta
             ):
                 sources.add((ref.op, ref.port))
-                out.append(
-                    ActivationConstraint(
-                        src.node.id,
-                        ref.port,
-                        to_plan_spec(rename_spec(have, rename)),
-                        src.scope,
-                        src.node.name_stack,
-                    )
-                )
+                out.append(_pin(src, have, rename, ref.port))
     return out
 
 
