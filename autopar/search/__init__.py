@@ -3,7 +3,8 @@
 * :func:`plan_graph` ``(graph, cluster, options) -> Plan``: pick a mesh and a layout for
   every tensor that minimises the predicted step time within the memory bound.
 * :func:`evaluate_plan` ``(graph, plan, cluster) -> Evaluation``: score any plan with the
-  same cost model.
+  same cost model (``sources=[]`` also lists each predicted collective's
+  :class:`CollectiveSource`).
 * :class:`ShardingProblem` / :func:`solve` / :class:`ShardingSolution`: the ILP as plain,
   JSON-serialisable data and its solver, for replaying and testing solves on their own.
 
@@ -13,7 +14,7 @@ Example:
     (1,)
 """
 
-from autopar.search.evaluate import Evaluation, complete_plan, evaluate_plan
+from autopar.search.evaluate import CollectiveSource, Evaluation, complete_plan, evaluate_plan
 from autopar.search.planner import candidate_meshes, plan_graph
 from autopar.search.problem import (
     MemoryConstraint,
@@ -26,6 +27,7 @@ from autopar.search.problem import (
 from autopar.search.solver import solve
 
 __all__ = [
+    "CollectiveSource",
     "Evaluation",
     "MemoryConstraint",
     "ProblemEdge",
