@@ -133,6 +133,10 @@ class LoweringOptions:
         cache_dir: where plans are cached on disk (``None``: ``~/.cache/autopar``; set the
             option ``use_cache=False`` to disable).
         use_cache: read and write the on-disk plan cache.
+        late_gathers: tie each gather of an input (a ZeRO-3/FSDP weight, optimizer state
+            read whole) to the computed operand it meets, so XLA issues it right before
+            its use instead of at the step's start (:mod:`autopar.lower.order`); ``False``
+            leaves the order to XLA's scheduler.
     """
 
     donate_argnums: tuple[int, ...] = ()
@@ -140,6 +144,7 @@ class LoweringOptions:
     activation_constraints: bool = True
     cache_dir: str | None = None
     use_cache: bool = True
+    late_gathers: bool = True
     extra: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

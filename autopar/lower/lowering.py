@@ -51,11 +51,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from autopar.errors import LoadPlanError, LowerPlanError
 from autopar.lower.mesh import make_mesh
+from autopar.lower.order import LateGathers, late_gathers, tie
 from autopar.lower.remat import (
     RematRewrite,
     check_policy,
     default_guard,
     evaluate_remat,
+    opaque_true,
     plan_remat,
 )
 from autopar.options import LoweringOptions
@@ -355,10 +357,18 @@ def _same_avals(args: Sequence[Any], abstract: Sequence[Any]) -> bool:
 
 
 def _constraint_hook(
-    constraints: Sequence[ActivationConstraint], mesh: Mesh
-) -> tuple[Callable[[Any, list[Any]], list[Any]], Callable[[Any], bool]]:
+    constraints: Sequence[ActivationConstraint],
+    mesh: Mesh,
+    late: LateGathers | None = None,
+    guard: str = "barrier",
+) -> tuple[Any, Callable[[Any], bool]]:
     """``hook(node, outs)`` applying the constraints, and the predicate choosing which loop
-    bodies to re-trace (those holding a constraint at any depth)."""
+    bodies to re-trace (those holding a constraint at any depth). ``late`` (from
+    :func:`autopar.lower.order.late_gathers`): operands tied to a partner operand before
+    their constraints apply (:func:`autopar.lower.order.tie` with ``guard``), and operands
+    that reuse an earlier reader's gathered value; call ``hook.reset()`` before each trace."""
+    late = late or LateGathers()
+    sources = {first for m in late.reuse.values() for first in m.values()}
     Point = dict[tuple[Scope, int], list[tuple[int, NamedSharding, ActivationConstraint]]]
     by_point: Point = {}  # results
     by_operand: Point = {}  # inputs, as one equation reads them
@@ -371,8 +381,10 @@ def _constraint_hook(
             (index, NamedSharding(mesh, to_partition_spec(c.spec)), c)
         )
 
-    def constrain(node: Any, vals: list[Any], table: Point, what: str) -> list[Any]:
+    def constrain(node: Any, vals: list[Any], table: Point, what: str, skip: Any = ()) -> list[Any]:
         for i, sharding, c in table.get((tuple(node.scope), node.id), ()):
+            if i in skip:
+                continue
             if i >= len(vals):
                 raise LowerPlanError(
                     f"activation constraint {c.name!r} at node {node.id} (scope {c.scope}) "
@@ -385,11 +397,40 @@ def _constraint_hook(
         return vals
 
     class _Hook:
+        def __init__(self) -> None:
+            self.reset()
+
+        def reset(self) -> None:
+            self.predicate: Any = None
+            self.gathered: dict[tuple[int, int], Any] = {}  # (node, operand) -> value
+
         def __call__(self, node: Any, outs: list[Any]) -> list[Any]:
             return constrain(node, outs, by_point, "output")
 
         def before(self, node: Any, ins: list[Any]) -> list[Any]:
-            return constrain(node, ins, by_operand, "operand")
+            key = (tuple(node.scope), node.id)
+            tied = late.ties.get(key, {})
+            reused = set()
+            for i, first in late.reuse.get(key, {}).items():
+                if first in self.gathered:
+                    ins[i] = self.gathered[first]
+                    reused.add(i)
+            # Partners first, laid out as this equation reads them (so that their own
+            # reshards stay the ones other readers share), then tied, then the gathers.
+            ins = constrain(node, ins, by_operand, "operand", skip=reused | set(tied))
+            for i, j in tied.items():
+                if guard == "cond" and self.predicate is None:
+                    self.predicate = opaque_true()
+                ins[i], ins[j] = tie(ins[i], ins[j], guard, self.predicate)
+            last = {i: sh for i, sh, _ in by_operand.get(key, ())}
+            for j in set(tied.values()) & set(last):
+                ins[j] = jax.lax.with_sharding_constraint(ins[j], last[j])
+            done = set(range(len(ins))) - set(tied)
+            ins = constrain(node, ins, by_operand, "operand", skip=done | reused)
+            for i in range(len(ins)):
+                if not node.scope and (node.id, i) in sources:
+                    self.gathered[(node.id, i)] = ins[i]
+            return ins
 
     def into_bodies(node: Any) -> bool:
         return (tuple(node.scope), node.id) in inside
@@ -502,7 +543,7 @@ def lower_plan(
                 "on the traced jaxpr: pass graph=autopar.trace(fn, *args) to lower_plan "
                 "(or LoweringOptions(activation_constraints=False) to drop them)."
             )
-        body = _interpreted(graph, constraints, mesh, out_tree)
+        body = _interpreted(graph, constraints, mesh, out_tree, late=_late(graph, plan, options))
     if remat_outside:
         # Remat from outside the model: recompute residuals in the re-interpreted jaxpr.
         if graph is None:
@@ -515,7 +556,9 @@ def lower_plan(
                 "graph=autopar.trace(fn, *args) (or leave graph=None to trace here)."
             )
         rewrite = plan_remat(graph, remat)
-        body = _interpreted(graph, constraints, mesh, out_tree, rewrite)
+        body = _interpreted(
+            graph, constraints, mesh, out_tree, rewrite, late=_late(graph, plan, options)
+        )
 
     if plan.zero_stage == 3 and not constraints:
         # A completed plan says how every use reads each parameter (gathered right
@@ -578,12 +621,21 @@ def _check_constraints(graph: Any, constraints: Sequence[ActivationConstraint]) 
             )
 
 
+def _late(graph: Any, plan: Plan, options: LoweringOptions) -> LateGathers:
+    """Gathers of inputs tied to the use they feed (:mod:`autopar.lower.order`)."""
+    if not options.activation_constraints or not options.late_gathers:
+        return LateGathers()
+    _check_constraints(graph, plan.activations)
+    return late_gathers(graph, plan.activations, [r.spec for r in plan.inputs], plan.mesh)
+
+
 def _interpreted(
     graph: Any,
     constraints: Sequence[ActivationConstraint],
     mesh: Mesh,
     out_tree: Any,
     rewrite: RematRewrite | None = None,
+    late: LateGathers | None = None,
 ) -> Callable[..., Any]:
     """The step as the traced jaxpr re-run with ``with_sharding_constraint`` at the plan's
     activation points (via :func:`autopar.trace.evaluate_inlined`), or, given a remat
@@ -591,13 +643,14 @@ def _interpreted(
     from autopar.trace import evaluate_inlined
 
     _check_constraints(graph, constraints)
-    hook, into_bodies = _constraint_hook(constraints, mesh)
+    guard = default_guard(mesh.devices.flat[0].platform)
+    hook, into_bodies = _constraint_hook(constraints, mesh, late, guard)
 
     if rewrite is not None:
-        guard = default_guard(mesh.devices.flat[0].platform)
         remat_hook = hook if constraints else None
 
         def run_remat(*dyn_args: Any) -> Any:
+            hook.reset()
             flat = jax.tree_util.tree_leaves(dyn_args)
             outs = evaluate_remat(
                 graph, rewrite, *flat, hook=remat_hook, into_bodies=into_bodies, guard=guard
@@ -607,6 +660,7 @@ def _interpreted(
         return run_remat
 
     def run(*dyn_args: Any) -> Any:
+        hook.reset()
         flat = jax.tree_util.tree_leaves(dyn_args)
         outs = evaluate_inlined(graph, *flat, hook=hook, into_bodies=into_bodies)
         return jax.tree_util.tree_unflatten(out_tree, outs)

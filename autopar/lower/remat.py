@@ -365,7 +365,7 @@ def default_guard(platform: str) -> Guard:
     return "cond" if platform == "cpu" else "barrier"
 
 
-def _opaque_true() -> Any:
+def opaque_true() -> Any:
     """A scalar ``True`` that XLA cannot constant-fold (a uniform draw in [0, 1) is < 2)."""
     one = np.float32(1)
     return jax.lax.rng_uniform(np.float32(0), one, ()) < 2 * one
@@ -481,7 +481,7 @@ def evaluate_remat(
         saved, tie = jax.lax.optimization_barrier((saved, tie))
         if guard == "cond":
             if not predicate:  # one draw per step, shared by the blocks
-                predicate.append(_opaque_true())
+                predicate.append(opaque_true())
             handoff, tie = jax.lax.cond(
                 predicate[0],
                 lambda s, t: (guarded(block, s), list(t)),
@@ -556,6 +556,7 @@ __all__: Sequence[str] = (
     "check_policy",
     "default_guard",
     "evaluate_remat",
+    "opaque_true",
     "plan_remat",
     "rewrite_summary",
 )

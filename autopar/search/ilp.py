@@ -278,8 +278,76 @@ class BuiltProblem:
             return 0.0  # constants: fused into their consumers, never materialised
         return v.tensor.nbytes / shards(self.spec(v.ref, choice), self.ctx.mesh)
 
+    def resharded_reads(
+        self, choice: Sequence[int]
+    ) -> list[tuple[Op, int, Ref, Sharding, Sharding]]:
+        """Every read of a value in another layout than it is made in: ``(reader op,
+        operand, value, have, need)``, within groups and across them."""
+        out = []
+        for g, group in enumerate(self.groups):
+            strats = group.strategies[choice[g]]
+            for pos, oi in enumerate(group.ops):
+                op = self.ops[oi]
+                st = strats[pos]
+                for k, ref in enumerate(op.operands):
+                    if ref is None or self.op_group.get(ref.op, (-1,))[0] != g:
+                        continue
+                    need = st.ins[k] if k < len(st.ins) else None
+                    if need is None:
+                        continue
+                    have = self.spec(ref, choice)
+                    if have != need:
+                        out.append((op, k, ref, have, need))
+        for e in self.edges:
+            st = self.strategy(e.op, choice)
+            need = st.ins[e.operand] if e.operand < len(st.ins) else None
+            if need is None:
+                continue
+            have = self.spec(e.ref, choice)
+            if have != need:
+                out.append((self.ops[e.op], e.operand, e.ref, have, need))
+        return out
+
+    def copies(self, choice: Sequence[int]) -> list[float]:
+        """Bytes per device of resharded copies live at each top-level moment.
+
+        A value read in another layout is copied into it by a collective (all-gather,
+        all-to-all, permute: local slices are fused into the reader and copy nothing).
+        Readers of the same value in the same layout share one copy (XLA's CSE; the
+        lowering reuses it, :mod:`autopar.lower.order`), live from its first reader's
+        moment to its last's. Copies made inside loop bodies are left to the body's peak.
+        """
+        pos = {node.id: i for i, node in enumerate(self.graph.nodes)}
+        spans: dict[tuple, list[float]] = {}  # key -> [first, last, bytes]
+        for op, k, ref, have, need in self.resharded_reads(choice):
+            if op.kind != "node":
+                continue
+            top = op.node.id if not op.scope else op.scope[0][0]
+            if op.scope and ref.op in self.op_group and self.ops[ref.op].scope:
+                continue  # made and read inside a loop body
+            t = pos.get(top)
+            tensor = op.node.in_tensors[k]
+            if t is None or not self.ctx.reshard(tensor.shape, tensor.dtype, have, need)[1]:
+                continue
+            nbytes = tensor.nbytes / shards(need, self.ctx.mesh)
+            span = spans.setdefault((ref, have, need), [t, t, nbytes])
+            span[0], span[1] = min(span[0], t), max(span[1], t)
+        live = [0.0] * (len(self.timeline) + 1)
+        for first, last, nbytes in spans.values():
+            live[int(first)] += nbytes
+            live[int(last) + 1] -= nbytes
+        running, out = 0.0, []
+        for d in live[:-1]:
+            running += d
+            out.append(running)
+        return out
+
     def peak(self, choice: Sequence[int]) -> tuple[float, int, dict[str, float]]:
-        """Exact peak bytes per device over every moment: (bytes, moment, breakdown)."""
+        """Exact peak bytes per device over every moment: (bytes, moment, breakdown).
+
+        Resharded copies (:meth:`copies`) count as ``"resharded"``; the ILP's memory
+        constraints leave them out (they depend on two layouts at once), so a plan made
+        under a memory limit can exceed it by the copies live at its peak."""
         cache: dict[int, float] = {}
 
         def size(v: MemValue) -> float:
@@ -294,10 +362,14 @@ class BuiltProblem:
         totals = self.timeline.totals(size)
         if not totals:
             return sum(base.values()), 0, base
+        copies = self.copies(choice)
+        totals = [a + b for a, b in zip(totals, copies, strict=True)]
         t = max(range(len(totals)), key=totals.__getitem__)
         bd = dict(base)
         for v in self.timeline.live_at(t):
             bd[v.category] = bd.get(v.category, 0.0) + size(v)
+        if copies[t]:
+            bd["resharded"] = copies[t]
         return sum(base.values()) + totals[t], t, bd
 
     def memory_constraint(self, moment: int) -> MemoryConstraint:
