@@ -365,10 +365,16 @@ def default_guard(platform: str) -> Guard:
     return "cond" if platform == "cpu" else "barrier"
 
 
+GUARD_SCOPE = "autopar_guard"
+"""Name scope of the guard's predicate: its ops' HLO ``op_name`` contains it, so
+``autopar.verify`` can tell the guard's scalar all-reduce from the plan's collectives."""
+
+
 def opaque_true() -> Any:
     """A scalar ``True`` that XLA cannot constant-fold (a uniform draw in [0, 1) is < 2)."""
     one = np.float32(1)
-    return jax.lax.rng_uniform(np.float32(0), one, ()) < 2 * one
+    with jax.named_scope(GUARD_SCOPE):
+        return jax.lax.rng_uniform(np.float32(0), one, ()) < 2 * one
 
 
 def evaluate_remat(
@@ -550,6 +556,7 @@ def rewrite_summary(graph: Graph, rewrite: RematRewrite) -> str:
 
 
 __all__: Sequence[str] = (
+    "GUARD_SCOPE",
     "REMAT_POLICIES",
     "RecomputeBlock",
     "RematRewrite",

@@ -94,6 +94,7 @@ class HloCollective:
         dtype: element type of the (first) result.
         trip_count_known: ``False`` if an enclosing loop's trip count could not be read
             (the count then assumes one iteration).
+        op_name: the JAX operation it comes from (HLO ``metadata={op_name=...}``).
     """
 
     kind: str
@@ -105,6 +106,7 @@ class HloCollective:
     computation: str = ""
     dtype: str = ""
     trip_count_known: bool = True
+    op_name: str = ""
 
     @property
     def total_bytes(self) -> float:
@@ -595,9 +597,15 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
                     computation=comp.name,
                     dtype=_first_dtype(type_str),
                     trip_count_known=known,
+                    op_name=_op_name(ins.attrs),
                 )
             )
     return out
+
+
+def _op_name(attrs: str) -> str:
+    m = re.search(r'op_name="([^"]*)"', attrs)
+    return m.group(1) if m else ""
 
 
 # ------------------------------------------------------------------------------- dumping

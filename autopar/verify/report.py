@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autopar.lower.remat import GUARD_SCOPE
 from autopar.plan import Plan
 from autopar.verify.hlo import (
     KINDS,
@@ -320,6 +321,13 @@ def verify(
         else:
             hlo_text = dump_spmd_hlo(lowered, *args)
     colls = parse_collectives(hlo_text, plan.num_devices)
+    guards = [c for c in colls if GUARD_SCOPE in c.op_name]
+    if guards:
+        colls = [c for c in colls if GUARD_SCOPE not in c.op_name]
+        notes.append(
+            f"left out {len(guards)} scalar collective(s) ({sum(c.total_bytes for c in guards):g} "
+            "B) of the lowering's ordering guard (XLA:CPU only, autopar.lower.remat.default_guard)"
+        )
     if any(not c.trip_count_known for c in colls):
         notes.append("a loop trip count could not be read; its collectives count once")
 
