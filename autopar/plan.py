@@ -60,6 +60,27 @@ def spec_axes(spec: Spec) -> tuple[str, ...]:
     return tuple(out)
 
 
+def idle_axes(plan: Plan) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) that split nothing: no input, output or activation layout
+    uses them and no collective runs over them. Their devices repeat the same work: the
+    plan is the plan on the smaller mesh, run several times over.
+
+    Example:
+        >>> p = Plan(mesh={"data": 4, "tensor": 2}, inputs=(
+        ...     TensorSharding("x", (8, 4), "float32", ("data", None), "batch"),))
+        >>> idle_axes(p)
+        ('tensor',)
+    """
+    used: set[str] = set()
+    for rec in (*plan.inputs, *plan.outputs):
+        used.update(spec_axes(rec.spec))
+    for c in plan.activations:
+        used.update(spec_axes(c.spec))
+    for coll in plan.predicted.collectives:
+        used.update(coll.axes)
+    return tuple(a for a, n in plan.mesh.items() if n > 1 and a not in used)
+
+
 def to_partition_spec(spec: Spec):
     """Convert a stored spec to ``jax.sharding.PartitionSpec`` (trailing ``None``s dropped)."""
     from jax.sharding import PartitionSpec

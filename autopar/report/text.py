@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from rich.console import Console
 from rich.table import Table
 
-from autopar.plan import Plan, TensorSharding
+from autopar.plan import Plan, TensorSharding, idle_axes
 
 
 def format_bytes(n: float) -> str:
@@ -149,6 +149,17 @@ def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
     if plan.pipeline is not None:
         pp = plan.pipeline
         head += f", pipeline {pp.num_stages} stages {pp.schedule} x {pp.microbatches} microbatches"
+    idle = idle_axes(plan)
+    if idle:
+        n = 1
+        for a in idle:
+            n *= plan.mesh[a]
+        head += (
+            f"\n  note: axis {', '.join(map(repr, idle))} splits nothing: its devices repeat "
+            f"the same work (the plan on {plan.num_devices // n} devices, {n} times over); "
+            "the cost model predicted that faster than splitting over them (collectives "
+            "over fewer devices)"
+        )
     parts: list[object] = [head, cost_table(plan)]
     if plan.predicted.collectives:
         parts.append(collectives_table(plan))

@@ -22,6 +22,31 @@ def test_summary_mentions_the_plan():
     assert "state/params/w" in text
 
 
+def test_summary_names_an_axis_that_splits_nothing():
+    from dataclasses import replace
+
+    from autopar.plan import ActivationConstraint, Plan, PredictedCollective, TensorSharding
+
+    plan = Plan(
+        mesh={"data": 4, "tensor": 2},
+        inputs=(TensorSharding("batch/x", (8, 16), "float32", ("data", None), "batch"),),
+        outputs=(TensorSharding("loss", (), "float32", (), "other"),),
+    )
+    plan = replace(
+        plan,
+        predicted=replace(
+            plan.predicted,
+            collectives=(PredictedCollective("all-reduce", ("data",), 64.0, 1, 1e-5),),
+        ),
+    )
+    assert "'tensor' splits nothing" in summary(plan)
+    assert "(the plan on 4 devices, 2 times over)" in summary(plan)
+    # An activation split over tensor uses it.
+    used = replace(plan, activations=(ActivationConstraint(3, 0, (None, "tensor")),))
+    assert "splits nothing" not in summary(used)
+    assert "splits nothing" not in summary(_plan())
+
+
 def test_diff_lists_changes():
     from dataclasses import replace
 
