@@ -346,8 +346,9 @@ class BuiltProblem:
         """Exact peak bytes per device over every moment: (bytes, moment, breakdown).
 
         Resharded copies (:meth:`copies`) count as ``"resharded"``; the ILP's memory
-        constraints leave them out (they depend on two layouts at once), so a plan made
-        under a memory limit can exceed it by the copies live at its peak."""
+        constraints leave them out (they depend on two layouts at once); the planner
+        re-solves under a lower bound when they push a solution over
+        (:func:`autopar.search.planner.solve_within_memory`)."""
         cache: dict[int, float] = {}
 
         def size(v: MemValue) -> float:
@@ -375,6 +376,12 @@ class BuiltProblem:
     def memory_constraint(self, moment: int) -> MemoryConstraint:
         """The linear memory constraint of one moment (persistent + live values)."""
         return _constraint(self, moment)
+
+    def with_memory_limit(self, limit: float | None) -> BuiltProblem:
+        """The same problem with another bound on its memory constraints."""
+        p = self.problem
+        problem = ShardingProblem(p.nodes, p.edges, p.memory, limit, p.aliases, p.meta, p.shared)
+        return BuiltProblem(**{**self.__dict__, "problem": problem})
 
     def with_moments(self, moments: Sequence[int]) -> BuiltProblem:
         """The same problem with memory constraints at ``moments`` (added lazily)."""

@@ -257,19 +257,38 @@ def build_problem(
 
 
 def solve_within_memory(
-    bp: BuiltProblem, limit: float | None, time_limit_s: float, backend: str = "cpsat"
+    bp: BuiltProblem,
+    limit: float | None,
+    time_limit_s: float,
+    backend: str = "cpsat",
+    peaks: list[float] | None = None,
 ) -> tuple[BuiltProblem, ShardingSolution]:
     """Solve, then check the exact peak over every moment; add the moment that breaks the
-    bound as a constraint and re-solve (lazy constraint generation)."""
+    bound as a constraint and re-solve (lazy constraint generation). A peak over the bound
+    at a moment already constrained is over by resharded copies, which the constraints
+    leave out (``BuiltProblem.peak``): the bound is lowered by the excess and the problem
+    re-solved. The last solution may still not fit (the caller checks ``peak``). ``peaks``
+    (if a list) receives the peak of every solution looked at."""
     sol = solve(bp.problem, time_limit_s, backend=backend)
     for _ in range(_LAZY_MEMORY_ROUNDS):
         if not sol.ok or limit is None:
             return bp, sol
         peak, moment, _ = bp.peak(sol.choice)
-        if peak <= limit * (1 + 1e-9) or moment in bp.moments:
+        if peaks is not None:
+            peaks.append(peak)
+        if peak <= limit * (1 + 1e-9):
             return bp, sol
-        bp = bp.with_moments([*bp.moments, moment])
-        sol = solve(bp.problem, time_limit_s, backend=backend)
+        if moment in bp.moments:
+            if bp.problem.memory_limit is None:
+                return bp, sol
+            tighter = bp.with_memory_limit(bp.problem.memory_limit - (peak - limit))
+            again = solve(tighter.problem, time_limit_s, backend=backend)
+            if not again.ok:
+                return bp, sol
+            bp, sol = tighter, again
+        else:
+            bp = bp.with_moments([*bp.moments, moment])
+            sol = solve(bp.problem, time_limit_s, backend=backend)
     return bp, sol
 
 
@@ -556,16 +575,24 @@ def plan_graph(
         r.time_limit_s = options.solver_time_limit_s
         if incumbent is not None and r.bound_s > (1 - _CLOSE) * incumbent:
             r.time_limit_s *= _LOSER_TIME_FRACTION
-        r.built, r.solution = solve_within_memory(r.built, limit, r.time_limit_s)
+        peaks: list[float] = []
+        r.built, r.solution = solve_within_memory(r.built, limit, r.time_limit_s, peaks=peaks)
         if not r.solution.ok:
             if r.solution.status == "infeasible":
                 low = solve(r.built.problem, r.time_limit_s, minimize="memory")
                 if low.ok:
-                    r.min_memory_bytes = r.built.peak(low.choice)[0]
+                    peaks.append(r.built.peak(low.choice)[0])
+            # The smallest footprint seen: the memory-minimal choice of the constraints,
+            # or an earlier solution (resharded copies are outside the constraints).
+            r.min_memory_bytes = min(peaks, default=None)
             continue
         r.evaluation = decode(
             r.built, r.solution.choice, status=r.solution.status, memory_limit=limit
         )
+        if not r.evaluation.fits:
+            r.min_memory_bytes = min(peaks, default=r.evaluation.memory_bytes_per_device)
+            r.skipped = "rejected: its peak (with resharded copies) is over the memory bound"
+            continue
         if rename_roles:
             r.rename = _role_names(r.built, r.solution.choice, allowed)
         if best is None or _better(r, best):

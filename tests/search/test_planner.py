@@ -155,6 +155,24 @@ def test_memory_bound_below_replicated_state_shards_it():
     assert _stored_state(plan) <= replicated_state / 4 * 1.01  # every big leaf split 4 ways
 
 
+def test_a_plan_is_within_the_bound_or_refused_with_its_footprint():
+    """Near the smallest footprint, resharded copies (outside the ILP's memory
+    constraints) decide whether a plan fits: the planner either returns one whose whole
+    predicted peak is within the bound, or refuses with a footprint above it."""
+    step, args = mlp(batch=64, d=4096, h=4096)
+    g = trace(step, *args)
+    # Parameters, Adam mu and nu (3 x 128 MiB) split 4 ways are 96 MiB alone.
+    for mib in (131, 129, 125):
+        limit = mib * 2**20
+        try:
+            plan = plan_graph(g, FOUR, SearchOptions(mesh={"data": 4}, memory_limit_bytes=limit))
+        except InfeasiblePlanError as err:
+            need = float(re.search(r"footprint found needs ([0-9.e+]+) bytes", str(err)).group(1))
+            assert need > limit
+        else:
+            assert 96 * 2**20 < plan.predicted.memory_bytes_per_device <= limit
+
+
 def test_nothing_fits_raises_with_the_numbers():
     step, args = mlp(batch=1024, d=4096, h=4096)
     g = trace(step, *args)
