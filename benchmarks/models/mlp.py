@@ -77,6 +77,8 @@ class MLPConfig:
 
 MLP_PRESETS: dict[str, MLPConfig] = {
     "tiny": MLPConfig(d_in=16, hidden=64, d_out=8, layers=3),
+    # Large enough that a search for a DGX node splits the work (tiny replicates it).
+    "small": MLPConfig(d_in=256, hidden=1024, d_out=256, layers=3),
     "mlp-1b": MLPConfig(d_in=8192, hidden=8192, d_out=8192, layers=16),
 }
 
