@@ -19,7 +19,9 @@ from autopar.lower.lowering import (
     remat_policy,
 )
 from autopar.lower.mesh import make_mesh
+from autopar.lower.order import LateGathers, late_gathers
 from autopar.lower.remat import (
+    GUARD_SCOPE,
     RecomputeBlock,
     RematRewrite,
     evaluate_remat,
@@ -28,6 +30,8 @@ from autopar.lower.remat import (
 
 __all__ = [
     "CPU_MEMORY_COMPILER_OPTIONS",
+    "GUARD_SCOPE",
+    "LateGathers",
     "LoweredStep",
     "RecomputeBlock",
     "RematRewrite",
@@ -35,6 +39,7 @@ __all__ = [
     "check_leaves",
     "data_parallel_axes",
     "evaluate_remat",
+    "late_gathers",
     "leaf_paths",
     "lower_plan",
     "make_mesh",
