@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-MODELS = ("gpt", "moe", "wide_resnet", "mlp")
+__all__ = ["build_parser", "main", "parse_mesh"]
 
 
 def _simulate_devices(n: int) -> None:
@@ -27,7 +27,19 @@ def _simulate_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def _parse_mesh(text: str | None) -> dict[str, int] | None:
+def parse_mesh(text: str | None) -> dict[str, int] | None:
+    """The ``--mesh`` value ``"data=2,tensor=4"`` as ``{"data": 2, "tensor": 4}``.
+
+    ``None`` or ``""`` gives ``None`` (no fixed mesh: the search picks one). The result is
+    what :class:`autopar.SearchOptions` takes as ``mesh``.
+
+    Raises:
+        InvalidOptionError: a part is not ``axis=size`` with a whole-number size.
+
+    Example:
+        >>> parse_mesh("data=2,tensor=4")
+        {'data': 2, 'tensor': 4}
+    """
     if not text:
         return None
     from autopar.errors import InvalidOptionError
@@ -43,25 +55,12 @@ def _parse_mesh(text: str | None) -> dict[str, int] | None:
     return mesh
 
 
-def _model_step(model: str, preset: str | None, batch: int, abstract: bool):
-    """The zoo model's (step_fn, args) for a CLI model name and preset."""
-    import importlib
+def _model_step(a: argparse.Namespace):
+    """The registered model's (step_fn, args) for the ``trace`` / ``plan`` arguments."""
+    from autopar.registry import model_step
 
-    from autopar.errors import InvalidOptionError
-
-    if model not in MODELS:
-        raise InvalidOptionError(f"model {model!r} is unknown; choose one of {MODELS}.")
-    mod = importlib.import_module(f"benchmarks.models.{model}")
-    config_cls = next(
-        getattr(mod, n)
-        for n in dir(mod)
-        if n.endswith("Config") and n != "Config" and not n.startswith("_")
-    )
-    try:
-        config = config_cls.preset(preset or "tiny")
-    except ValueError as e:  # the zoo does not depend on autopar, so it raises ValueError
-        raise InvalidOptionError(f"--preset {preset!r}: {e}") from e
-    return mod.make_train_step(config, batch, abstract=abstract)
+    m = model_step(a.model, a.preset or "tiny", a.batch, abstract=True)
+    return m.step_fn, m.args
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
@@ -71,7 +70,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
         steps=a.steps,
         out_dir=a.out,
         cluster=a.cluster,
-        mesh=_parse_mesh(a.mesh),
+        mesh=parse_mesh(a.mesh),
         cache=not a.no_cache,
     )
     return 0 if result.ok else 1
@@ -82,7 +81,7 @@ def _cmd_trace(a: argparse.Namespace) -> int:
 
     import autopar
 
-    step, args = _model_step(a.model, a.preset, a.batch, abstract=True)
+    step, args = _model_step(a)
     t0 = time.perf_counter()
     graph = autopar.trace(step, *args)
     print(graph.summary())
@@ -101,9 +100,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from autopar.options import SearchOptions
     from autopar.report import summary
 
-    step, args = _model_step(a.model, a.preset, a.batch, abstract=True)
+    step, args = _model_step(a)
     opts = SearchOptions(
-        mesh=_parse_mesh(a.mesh),
+        mesh=parse_mesh(a.mesh),
         memory_limit_bytes=int(a.memory_limit_gb * 2**30) if a.memory_limit_gb else None,
     )
     plan = autopar.plan(step, *args, cluster=_cluster(a), options=opts)
@@ -165,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("plan", _cmd_plan, "plan a model-zoo step for a cluster and print/save the plan"),
     ):
         s = sub.add_parser(verb, help=helptext)
-        s.add_argument("model", choices=MODELS)
+        s.add_argument(
+            "model",
+            metavar="MODEL",
+            help="a model registered under the 'autopar.models' entry points (the zoo's: "
+            "gpt, moe, wide_resnet, mlp) or an import path, e.g. mypkg.models.bert",
+        )
         s.add_argument("--preset", help="model preset, e.g. gpt2-small, gpt3-175b (default tiny)")
         s.add_argument("--batch", type=int, default=8)
         if verb == "plan":

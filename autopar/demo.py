@@ -4,6 +4,10 @@ The step is planned for a described cluster (one DGX A100 node by default: 8 GPU
 same device count as the 8 simulated CPU devices it runs on), run for a few steps with
 ``@autoparallel``, and its losses are checked against single-device ``jax.jit``. The plan
 and what XLA compiled (``verify``) are printed, and a report directory is written.
+
+The model comes from the model registry (:mod:`autopar.registry`): the ``"demo"`` preset
+of the family registered as ``"gpt"`` (the zoo's ``benchmarks.models.gpt``), so the
+library itself imports no model package.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ import numpy as np
 from autopar.api import autoparallel
 from autopar.errors import AutoparError
 from autopar.options import SearchOptions
+from autopar.registry import model_step
 from autopar.report import summary, write_report
 from autopar.report.text import render
+
+DEMO_MODEL = "gpt"
+"""Registered name of the demo's model family (see :mod:`autopar.registry`)."""
+DEMO_PRESET = "demo"
+"""Its preset: 4 layers, hidden 128, 4 heads, sequence 64, vocabulary 512, fp32."""
+DEMO_BATCH = 16
 
 LOSS_RTOL = 1e-5
 """Loss agreement with single-device f32 (DESIGN.md: 'loss to 1e-5 in f32')."""
@@ -56,7 +67,6 @@ def run_demo(
         >>> result.ok                                                   # doctest: +SKIP
         True
     """
-    from benchmarks.models import gpt
     from cost_models import Cluster
 
     n = jax.device_count()
@@ -65,11 +75,9 @@ def run_demo(
             f"the demo needs 8 devices and JAX sees {n}; run it through `autopar demo`, which "
             "sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts."
         )
-    config = gpt.GPTConfig(
-        vocab_size=512, seq_len=64, hidden=128, layers=4, heads=4, precision="fp32"
-    )
-    batch_size = 16
-    step_fn, (state, batch) = gpt.make_train_step(config, batch_size, abstract=False)
+    model = model_step(DEMO_MODEL, DEMO_PRESET, DEMO_BATCH, abstract=False)
+    config, batch_size = model.config, DEMO_BATCH
+    step_fn, (state, batch) = model.step_fn, model.args
     target = Cluster.preset(cluster)
     echo(
         f"Model: GPT {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "

@@ -23,7 +23,7 @@ def main(argv=None) -> dict:
     import jax
 
     import autopar
-    from autopar.cli import _parse_mesh
+    from autopar.cli import parse_mesh
     from autopar.report.text import render
     from benchmarks.models import gpt
 
@@ -32,7 +32,7 @@ def main(argv=None) -> dict:
     f = autopar.autoparallel(
         step,
         cluster="dgx-a100-80gb",
-        options=autopar.SearchOptions(mesh=_parse_mesh(a.mesh)),
+        options=autopar.SearchOptions(mesh=parse_mesh(a.mesh)),
         cache=False,
     )
     lowered = f.lower(state, batch)

@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     table = Table(title="predicted vs HLO (per device, per step)")
     for col in ("case", "kind", "count p/H", "bytes pred", "bytes HLO", "err", "status"):
         table.add_column(col, justify="left" if col in ("case", "kind", "status") else "right")
-    from autopar.verify.report import _fmt_bytes
+    from autopar.report import format_bytes
 
     for name in names:
         report, timing = run_case(name, evaluate)
@@ -146,8 +146,8 @@ def main(argv: list[str]) -> int:
                 name,
                 r.kind,
                 f"{'-' if r.predicted_count is None else r.predicted_count}/{r.hlo_count}",
-                "-" if r.predicted_bytes is None else _fmt_bytes(r.predicted_bytes),
-                _fmt_bytes(r.hlo_bytes),
+                "-" if r.predicted_bytes is None else format_bytes(r.predicted_bytes),
+                format_bytes(r.hlo_bytes),
                 "-" if err is None else f"{err:+.0%}",
                 r.status,
             )
@@ -157,8 +157,8 @@ def main(argv: list[str]) -> int:
                 name,
                 "peak memory",
                 "",
-                _fmt_bytes(m.predicted_bytes) if m.checked else "-",
-                _fmt_bytes(m.compiled_bytes),
+                format_bytes(m.predicted_bytes) if m.checked else "-",
+                format_bytes(m.compiled_bytes),
                 "-" if m.error is None else f"{m.error:+.0%}",
                 ("ok" if m.ok else "memory") if m.checked else "-",
             )

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autopar.trace.graph import TensorInfo
+from autopar.trace.tensor import TensorInfo
 
 ELEMENTWISE: frozenset[str] = frozenset(
     """

@@ -8,71 +8,29 @@ small typed wrapper over a ``networkx.DiGraph`` whose node keys are :attr:`Node.
 Node ids equal the index of the equation in ``graph.jaxpr.eqns``: ``graph.jaxpr`` is the
 *inlined* closed jaxpr (``pjit``/``closed_call``/custom-derivative/remat calls flattened),
 so the lowering stage can re-interpret exactly the equations the search saw.
+
+Imports run one way: :mod:`autopar.trace.tensor` (``TensorInfo``, re-exported here) <-
+:mod:`autopar.trace.flops` (per-equation costs) <- this module, which also renders
+:meth:`Graph.summary`.
 """
 
 from __future__ import annotations
 
-import functools
-import math
+import io
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import networkx as nx
-import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from autopar.trace.flops import is_counted
+from autopar.trace.tensor import TensorInfo
 
 Phase = Literal["forward", "backward", "optimizer", "other"]
 InputRole = Literal["param", "opt_state", "model_state", "batch", "other"]
-
-
-_ITEMSIZE: dict[str, int] = {"bool": 1, "float0": 1}
-
-
-def _itemsize(dtype: str) -> int:
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:
-        pass
-    try:  # bfloat16, float8_*: numpy knows them once ml_dtypes is imported
-        import ml_dtypes  # noqa: F401
-
-        return np.dtype(dtype).itemsize
-    except (ImportError, TypeError):
-        # JAX extended dtypes: typed PRNG keys ("key<fry>") hold two uint32 words;
-        # tokens and other opaque values hold no data worth counting.
-        return 8 if dtype.startswith("key<") else 0
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Shape and dtype of one tensor (an abstract value).
-
-    Example:
-        >>> TensorInfo((8, 1024), "bfloat16").nbytes
-        16384
-    """
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    @functools.cached_property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        size = _ITEMSIZE.get(self.dtype)
-        if size is None:
-            size = _ITEMSIZE[self.dtype] = _itemsize(self.dtype)
-        return size
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return self.size * self.itemsize
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
 
 @dataclass(frozen=True)
@@ -292,9 +250,7 @@ class Graph:
         Example:
             >>> print(autopar.trace(step, *args).summary())   # doctest: +SKIP
         """
-        from autopar.trace.summary import render_summary
-
-        return render_summary(self, width=width, max_layers=max_layers)
+        return _render_summary(self, width=width, max_layers=max_layers)
 
     def __repr__(self) -> str:
         return (
@@ -312,3 +268,103 @@ class Graph:
     @property
     def parameter_count(self) -> int:
         return sum(i.tensor.size for i in self.inputs if i.role == "param")
+
+
+# -- Graph.summary() -------------------------------------------------------------------
+
+
+def _human(x: float, unit: str = "") -> str:
+    """``1.23 T``-style number.
+
+    Example:
+        >>> _human(7.0e12, "FLOP"), _human(512, "B")
+        ('7.00 TFLOP', '512 B')
+    """
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}" if unit else f"{x:.0f}"
+
+
+def _render_summary(graph: Graph, width: int = 110, max_layers: int = 40) -> str:
+    """The text of :meth:`Graph.summary`: totals, phases, inputs by role, layers."""
+    console = Console(
+        record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None
+    )
+    prims = Counter(n.primitive for n in graph.nodes)
+    loops = sum(1 for n in graph.nodes if n.body)
+    console.print(
+        f"Graph: {len(graph.nodes)} nodes ({loops} loops/conditionals), "
+        f"{len(graph.values)} values, {len(graph.inputs)} inputs, {len(graph.outputs)} outputs; "
+        f"total {_human(graph.total_flops, 'FLOP')}"
+    )
+    console.print("top primitives: " + ", ".join(f"{p} x{c}" for p, c in prims.most_common(8)))
+    unknown = sorted(p for p in prims if not is_counted(p))
+    if unknown:
+        console.print("counted as 0 FLOPs (unknown to the tracer): " + ", ".join(unknown))
+
+    phases = Table(title="Phases", title_justify="left")
+    for col in ("phase", "nodes", "FLOPs", "share", "bytes (r+w)"):
+        phases.add_column(col, justify="right" if col != "phase" else "left")
+    flops = graph.flops_by_phase()
+    bytes_ = graph.bytes_by_phase()
+    count = Counter(n.phase for n in graph.nodes)
+    total = graph.total_flops or 1.0
+    for ph in ("forward", "backward", "optimizer", "other"):
+        if count[ph] == 0 and flops[ph] == 0:
+            continue
+        phases.add_row(
+            ph, str(count[ph]), _human(flops[ph], "FLOP"), f"{100 * flops[ph] / total:.1f}%",
+            _human(bytes_[ph], "B"),
+        )  # fmt: skip
+    console.print(phases)
+
+    roles = Table(title="Inputs by role", title_justify="left")
+    for col in ("role", "leaves", "elements", "bytes"):
+        roles.add_column(col, justify="right" if col != "role" else "left")
+    for role in ("param", "opt_state", "model_state", "batch", "other"):
+        ins = graph.inputs_by_role(role)  # type: ignore[arg-type]
+        if ins:
+            roles.add_row(
+                role, str(len(ins)), _human(sum(i.tensor.size for i in ins)),
+                _human(sum(i.tensor.nbytes for i in ins), "B"),
+            )  # fmt: skip
+    console.print(roles)
+    console.print(f"parameters: {graph.parameter_count:,} ({_human(graph.parameter_bytes, 'B')})")
+
+    if graph.layers:
+        kinds = Counter(layer.kind for layer in graph.layers)
+        sigs = len({layer.signature for layer in graph.layers})
+        layers = Table(
+            title=f"Layers: {len(graph.layers)} ({', '.join(f'{k} x{c}' for k, c in kinds.items())}; "
+            f"{sigs} distinct)",
+            title_justify="left",
+        )
+        for col in (
+            "#",
+            "name",
+            "kind",
+            "nodes",
+            "forward",
+            "backward",
+            "optimizer",
+            "total",
+            "sig",
+        ):
+            layers.add_column(col, justify="left" if col in ("name", "kind", "sig") else "right")
+        shown = graph.layers[:max_layers]
+        for layer in shown:
+            layers.add_row(
+                str(layer.index), layer.name, layer.kind, str(len(layer.nodes)),
+                _human(layer.forward_flops, "FLOP"), _human(layer.backward_flops, "FLOP"),
+                _human(layer.optimizer_flops, "FLOP"), _human(layer.flops, "FLOP"),
+                layer.signature[:8],
+            )  # fmt: skip
+        console.print(layers)
+        if len(graph.layers) > len(shown):
+            console.print(f"... {len(graph.layers) - len(shown)} more layers")
+        in_layers = sum(layer.flops for layer in graph.layers)
+        console.print(f"FLOPs in layers: {100 * in_layers / total:.1f}% of the total")
+    else:
+        console.print("Layers: none found")
+    return console.export_text()

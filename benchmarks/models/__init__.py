@@ -2,13 +2,19 @@
 
 Every model module (:mod:`~benchmarks.models.gpt`, :mod:`~benchmarks.models.moe`,
 :mod:`~benchmarks.models.wide_resnet`, :mod:`~benchmarks.models.mlp`) exposes a frozen
-config dataclass with ``.preset(name, **overrides)`` and
+config dataclass with ``.preset(name, **overrides)`` (also at module level, ``preset(name,
+**overrides)``) and
 
 ``make_train_step(config, batch_size, abstract=True, seed=0) -> (step_fn, (state, batch))``
 
 where ``step_fn(state, batch) -> (new_state, loss)`` is a plain, pure, un-jitted AdamW step
 and ``state = {"params", "opt_state"}`` (+ ``"batch_stats"`` for Wide-ResNet).
 ``abstract=True`` gives ``jax.ShapeDtypeStruct`` leaves and allocates nothing.
+
+Each module is a model family of :mod:`autopar.registry`: ``pyproject.toml`` registers them
+under the ``autopar.models`` entry points, which is how ``autopar trace gpt`` and
+``autopar demo`` (the ``gpt`` family's ``"demo"`` preset) find them without the library
+importing this package.
 
 Example:
     >>> from benchmarks.models import gpt

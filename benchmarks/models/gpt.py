@@ -158,6 +158,9 @@ def _gpt(v: int, s: int, h: int, l: int, a: int, **kw: Any) -> GPTConfig:  # noq
 # (V = 51200, s = 2048; ../shared/reference/megatron2021_table1.csv); Llama 2 / Llama 3.
 GPT_PRESETS: dict[str, GPTConfig] = {
     "tiny": _gpt(256, 32, 64, 2, 4),
+    # `autopar demo`: small enough for 8 simulated CPU devices; fp32, as it checks losses
+    # against single-device jax.jit to 1e-5
+    "demo": _gpt(512, 64, 128, 4, 4, precision="fp32"),
     "gpt2-small": _gpt(50257, 1024, 768, 12, 12),
     "gpt2-medium": _gpt(50257, 1024, 1024, 24, 16),
     "gpt2-large": _gpt(50257, 1024, 1280, 36, 20),
@@ -182,6 +185,12 @@ GPT_PRESETS: dict[str, GPTConfig] = {
         128256, 8192, 4096, 32, 32, kv_heads=8, ffn_hidden=14336, activation="swiglu"
     ),
 }
+
+
+def preset(name: str, **overrides: Any) -> GPTConfig:
+    """:meth:`GPTConfig.preset` at module level, as the model registry (the
+    ``autopar.models`` entry points, ``autopar trace gpt --preset NAME``) calls it."""
+    return GPTConfig.preset(name, **overrides)
 
 
 # ----------------------------------------------------------------------------- modules

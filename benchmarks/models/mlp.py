@@ -83,6 +83,12 @@ MLP_PRESETS: dict[str, MLPConfig] = {
 }
 
 
+def preset(name: str, **overrides: Any) -> MLPConfig:
+    """:meth:`MLPConfig.preset` at module level, as the model registry (the
+    ``autopar.models`` entry points, ``autopar trace mlp --preset NAME``) calls it."""
+    return MLPConfig.preset(name, **overrides)
+
+
 def init_params(config: MLPConfig, key: jax.Array) -> dict[str, dict[str, jax.Array]]:
     """He-normal weights (``std = sqrt(2 / fan_in)``) and zero biases, in float32.
 

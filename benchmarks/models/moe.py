@@ -159,6 +159,12 @@ MOE_PRESETS: dict[str, MoEConfig] = {
 MOE_PRESETS["gshard-1b"] = MOE_PRESETS["alpa-moe-1.3b"]
 
 
+def preset(name: str, **overrides: Any) -> MoEConfig:
+    """:meth:`MoEConfig.preset` at module level, as the model registry (the
+    ``autopar.models`` entry points, ``autopar trace moe --preset NAME``) calls it."""
+    return MoEConfig.preset(name, **overrides)
+
+
 # ----------------------------------------------------------------------------- modules
 
 

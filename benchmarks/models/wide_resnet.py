@@ -108,6 +108,12 @@ WRN_PRESETS: dict[str, WideResNetConfig] = {
 }
 
 
+def preset(name: str, **overrides: Any) -> WideResNetConfig:
+    """:meth:`WideResNetConfig.preset` at module level, as the model registry (the
+    ``autopar.models`` entry points, ``autopar trace wide_resnet --preset NAME``) calls it."""
+    return WideResNetConfig.preset(name, **overrides)
+
+
 # ----------------------------------------------------------------------------- modules
 
 

@@ -1,12 +1,12 @@
 """CLI: argument parsing, bad input as a clear error (exit 2), show / diff of saved plans."""
 
-from autopar.cli import _parse_mesh, main
+from autopar.cli import main, parse_mesh
 from tests.core.test_plan import _plan
 
 
 def test_parse_mesh():
-    assert _parse_mesh("data=2,tensor=4") == {"data": 2, "tensor": 4}
-    assert _parse_mesh(None) is None
+    assert parse_mesh("data=2,tensor=4") == {"data": 2, "tensor": 4}
+    assert parse_mesh(None) is None
 
 
 def test_bad_input_exits_2_with_a_message(capsys):
