@@ -74,31 +74,19 @@ import numpy as np
 from jax.extend.core import DropVar, Literal
 
 from autopar.errors import LowerPlanError, TraceFunctionError
+from autopar.primitives import MATMULS, RANDOM_BITS, REMAT_TAIL
 from autopar.trace.evaluate import Hook, IntoBodies, _enters, _hooked_params, bind_equation
 from autopar.trace.graph import Graph, Node
 
 REMAT_POLICIES: tuple[str, ...] = ("none", "selective", "full")
 """The plan's ``remat`` values."""
 
-# Matmul-like primitives whose outputs "selective" keeps when an operand is a weight.
-_MATMULS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
-# Primitives whose outputs are fresh random bits (activations even without batch inputs).
-_RANDOM_BITS: frozenset[str] = frozenset(
-    {"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"}
-)
-# Elementwise and layout ops: a recompute block runs those that feed no heavier op of the
-# block after its guard, where XLA fuses them into the backward nodes reading them.
-_FUSIBLE: frozenset[str] = frozenset(
-    {
-        "neg", "sign", "floor", "ceil", "round", "is_finite", "exp", "exp2", "log", "log1p",
-        "expm1", "tanh", "logistic", "sin", "cos", "sqrt", "rsqrt", "cbrt", "abs", "not",
-        "erf", "erfc", "erf_inv", "integer_pow", "square", "copy", "copy_p",
-        "convert_element_type", "stop_gradient", "add", "add_any", "sub", "mul", "div",
-        "rem", "pow", "max", "min", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
-        "select_n", "clamp", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-        "transpose", "iota",
-    }
-)  # fmt: skip
+# From the primitives table (autopar.primitives): MATMULS (matmul-like primitives whose
+# outputs "selective" keeps when an operand is a weight), RANDOM_BITS (outputs are fresh
+# random bits: activations even without batch inputs) and REMAT_TAIL (elementwise and
+# layout ops: a recompute block runs those that feed no heavier op of the block after its
+# guard, where XLA fuses them into the backward nodes reading them).
+
 # Input roles that carry batch data (everything else is parameters / optimizer state).
 _DATA_ROLES: frozenset[str] = frozenset({"batch", "other"})
 
@@ -183,7 +171,7 @@ def _activation_values(graph: Graph) -> set[int]:
     top-level equations are topologically sorted)."""
     act = {i.value for i in graph.inputs if i.role in _DATA_ROLES}
     for node in graph.nodes:
-        if node.primitive in _RANDOM_BITS or any(v in act for v in node.inputs if v >= 0):
+        if node.primitive in RANDOM_BITS or any(v in act for v in node.inputs if v >= 0):
             act.update(node.outputs)
     return act
 
@@ -219,7 +207,7 @@ def _split_tail(
     core: set[int] = set()
     for nid in sorted(block, reverse=True):  # consumers come later in program order
         node = nodes[nid]
-        if node.primitive not in _FUSIBLE or any(
+        if node.primitive not in REMAT_TAIL or any(
             c in core for v in node.outputs for c in graph.consumers.get(v, ())
         ):
             core.add(nid)
@@ -274,7 +262,7 @@ def plan_remat(graph: Graph, policy: str) -> RematRewrite:
         if policy != "selective":
             return False
         p = nodes[nid]
-        return p.primitive in _MATMULS and not all(u in act for u in p.inputs[:2] if u >= 0)
+        return p.primitive in MATMULS and not all(u in act for u in p.inputs[:2] if u >= 0)
 
     blocks: list[RecomputeBlock] = []
     for layer in graph.layers:

@@ -28,35 +28,16 @@ Example:
 
 from __future__ import annotations
 
-from autopar.search.strategies import (
-    ARG_REDUCTIONS,
-    ELEMENTWISE,
-    LAYOUT,
-    REDUCTIONS,
-    SLICING,
-)
+# Which operations XLA fuses (``FUSIBLE``), which read a fused value without it being
+# materialised (``FUSION_CONSUMERS``: fusible ones, and reductions, which fuse the
+# elementwise chain feeding them), which it does not duplicate into several consumer
+# fusions (``EXPENSIVE``, XLA's ``InstructionFusion::IsExpensive``) and which scatters add
+# (``SCATTER_ADDS``): columns of the primitives table.
+from autopar.primitives import EXPENSIVE, FUSIBLE, FUSION_CONSUMERS, SCATTER_ADDS
 from autopar.trace.graph import Graph
 
 IO = tuple[tuple[bool, ...], tuple[bool, ...]]
 """Per operand: read from HBM; per result: written to HBM."""
-
-FUSIBLE: frozenset[str] = (
-    ELEMENTWISE | LAYOUT | (SLICING - {"dynamic_update_slice"}) | frozenset(["iota"])
-)
-"""Operations XLA fuses into loop fusions (their results can stay in registers)."""
-
-FUSION_CONSUMERS: frozenset[str] = FUSIBLE | REDUCTIONS | ARG_REDUCTIONS
-"""Operations that can read a fused value without it being materialised (a reduction
-fuses the elementwise chain that feeds it)."""
-
-
-EXPENSIVE: frozenset[str] = frozenset(
-    {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "pow", "sqrt", "rsqrt",
-     "cbrt", "erf", "erf_inv", "sin", "cos", "tan", "atan2", "div", "rem", "integer_pow"}
-)  # fmt: skip
-"""Elementwise operations XLA does not duplicate into several consumer fusions
-(``InstructionFusion::IsExpensive``); a cheap producer read by several fusions is
-recomputed in each and never stored."""
 
 
 def materialised_values(graph: Graph) -> set[int]:
@@ -83,9 +64,6 @@ def materialised_values(graph: Graph) -> set[int]:
                 out.add(v)  # XLA duplicates only cheap producers into several fusions
     out -= _scattered_into_sums(graph, nodes)
     return out
-
-
-SCATTER_ADDS: frozenset[str] = frozenset({"scatter-add", "scatter_add"})
 
 
 def _scattered_into_sums(graph: Graph, nodes: dict) -> set[int]:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.primitives import FOLLOWABLE, family_of, sharding_rule
 from autopar.search.costs import CostContext, itemsize
 from autopar.search.sharding import (
     Collective,
@@ -76,52 +77,6 @@ class OpStrategy:
     @property
     def cost_s(self) -> float:
         return self.compute_s + self.comm_s
-
-
-# ----------------------------------------------------------------------------- families
-
-ELEMENTWISE: frozenset[str] = frozenset(
-    """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
-    asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not integer_pow
-    convert_element_type reduce_precision erf erfc erf_inv lgamma digamma igamma real imag
-    conj square copy copy_p population_count clz add add_any sub mul div rem pow max min
-    atan2 nextafter and or xor eq ne lt le gt ge shift_left shift_right_logical
-    shift_right_arithmetic select_n clamp stop_gradient threefry2x32 optimization_barrier
-    bitcast_convert_type""".split()
-)
-REDUCTIONS: frozenset[str] = frozenset(
-    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor".split()
-)
-ARG_REDUCTIONS: frozenset[str] = frozenset(["argmax", "argmin"])
-CUMULATIVE: frozenset[str] = frozenset(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"])
-LAYOUT: frozenset[str] = frozenset(
-    ["broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"]
-)
-SLICING: frozenset[str] = frozenset(
-    ["slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate", "rev", "split"]
-)
-SORTING: frozenset[str] = frozenset(["sort", "top_k"])
-FOLLOWABLE: frozenset[str] = (
-    ELEMENTWISE | REDUCTIONS | ARG_REDUCTIONS | CUMULATIVE | LAYOUT | SLICING | SORTING
-)
-"""Primitives that take their layout from one operand (merged into that operand's group)."""
-
-# Layout changes XLA turns into bitcasts or fuses into their consumers: no time of their own.
-FREE: frozenset[str] = frozenset(["broadcast_in_dim", "reshape", "squeeze", "expand_dims"])
-
-ENUMERATED: frozenset[str] = frozenset(
-    ["dot_general", "conv_general_dilated", "gather", "iota"]
-) | frozenset(p for p in ("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"))
-
-
-def compute_kind(primitive: str) -> str:
-    if primitive in ("dot_general", "conv_general_dilated"):
-        return "matmul"
-    if primitive in REDUCTIONS or primitive in ARG_REDUCTIONS or primitive in CUMULATIVE:
-        return "reduction"
-    if primitive in ELEMENTWISE:
-        return "elementwise"
-    return "other"
 
 
 _FIELD = re.compile(r"(\w+)=\(([^()]*)\)")
@@ -175,11 +130,13 @@ def _price(
         if w:
             nbytes += t.nbytes / shards(s, mesh)
     flops = node.flops / max(work_shards, 1)
-    if node.primitive in FREE:
+    family = family_of(node.primitive)
+    kind = family.compute if family is not None else "other"
+    if kind == "none":  # layout changes XLA turns into bitcasts or fuses: no time
         compute = 0.0
     else:
         dtype = node.in_tensors[0].dtype if node.in_tensors else node.out_tensors[0].dtype
-        compute = ctx.compute(flops, nbytes, dtype, compute_kind(node.primitive))
+        compute = ctx.compute(flops, nbytes, dtype, kind)
     return OpStrategy(name, tuple(ins), tuple(outs), compute, tuple(comm), flops, tuple(tags))
 
 
@@ -352,20 +309,20 @@ def _rule_split(node: Node, main: int, spec: Sharding, mesh: MeshShape):
     return [kept], [kept for _ in node.out_tensors], ()
 
 
+# Keyed by the primitives table's sharding rule (``autopar.primitives.FOLLOW_RULES``).
 _RULES: dict[str, Rule] = {
-    **{p: _rule_elementwise for p in ELEMENTWISE},
-    **{p: _rule_reduce for p in REDUCTIONS},
-    **{p: _rule_argreduce for p in ARG_REDUCTIONS},
-    **{p: _rule_along_axis("axis") for p in CUMULATIVE},
+    "elementwise": _rule_elementwise,
+    "reduce": _rule_reduce,
+    "arg_reduce": _rule_argreduce,
+    "cumulative": _rule_along_axis("axis"),
     "sort": _rule_along_axis("dimension"),
     "top_k": _rule_top_k,
-    "broadcast_in_dim": _rule_broadcast,
+    "broadcast": _rule_broadcast,
     "reshape": _rule_reshape,
     "squeeze": _rule_squeeze,
     "expand_dims": _rule_expand_dims,
     "transpose": _rule_transpose,
     "slice": _rule_slice,
-    "dynamic_slice": _rule_slice,
     "pad": _rule_pad,
     "dynamic_update_slice": _rule_dynamic_update_slice,
     "concatenate": _rule_concatenate,
@@ -376,18 +333,17 @@ _RULES: dict[str, Rule] = {
 
 def can_follow(node: Node, operand: int) -> bool:
     """Whether ``node`` can take its layout from operand ``operand``."""
-    if node.primitive not in _RULES or not node.out_tensors:
+    rule = sharding_rule(node.primitive)
+    if rule not in _RULES or not node.out_tensors:
         return False
     t = node.in_tensors[operand]
-    if node.primitive in ELEMENTWISE:
+    if rule == "elementwise":
         # Operands of the result's rank (size-1 dims broadcast); scalars cannot lead.
         return t.ndim > 0 and any(o.ndim == t.ndim for o in node.out_tensors)
-    if node.primitive in SORTING:
+    if rule in ("sort", "top_k"):
         return any(o.shape == t.shape for o in node.out_tensors)
-    if node.primitive == "concatenate":
+    if rule == "concatenate":
         return True
-    if node.primitive == "dynamic_update_slice":
-        return operand == 0
     return operand == 0
 
 
@@ -404,7 +360,8 @@ def follow_strategy(
         >>> s.outs, [c.kind for c in s.comm]                               # doctest: +SKIP
         ((('data',),), [])
     """
-    ins, outs, reduce_axes = _RULES[node.primitive](node, operand, spec, ctx.mesh)
+    rule = sharding_rule(node.primitive)
+    ins, outs, reduce_axes = _RULES[rule](node, operand, spec, ctx.mesh)
     comm: list[Collective] = []
     if reduce_axes:
         # A reduction over a sharded dim leaves partial results: all-reduce them, once per
@@ -413,12 +370,10 @@ def follow_strategy(
             t.nbytes / shards(s, ctx.mesh) for t, s in zip(node.out_tensors, outs, strict=True)
         )
         reduced = sorted(_tuple(node.params.get("axes", ())))
-        groups = (
-            partial_groups([ins[0][d] for d in reduced]) if node.primitive in REDUCTIONS else ()
-        )
+        groups = partial_groups([ins[0][d] for d in reduced]) if rule == "reduce" else ()
         for g in groups or (reduce_axes,):
             comm.append(ctx.collective("all-reduce", out_bytes, g))
-    if node.primitive in REDUCTIONS:
+    if rule == "reduce":
         work = shards(ins[0], ctx.mesh)
     else:
         work = max((shards(s, ctx.mesh) for s in outs), default=1)
@@ -427,13 +382,14 @@ def follow_strategy(
 
 
 def _enumerate_followable(node: Node, ctx: CostContext, io: IO | None) -> list[OpStrategy]:
+    rule = sharding_rule(node.primitive)
     tensors = [(k, t) for k, t in enumerate(node.in_tensors) if t.ndim > 0]
     if not tensors or not any(can_follow(node, k) for k, _ in tensors):
         # Nothing to follow (e.g. a broadcast of a scalar): any result layout is free.
         out: list[OpStrategy] = []
         for spec in enumerate_shardings(node.out_tensors[0].shape, ctx.mesh):
             ins = tuple(replicated(t.ndim) for t in node.in_tensors)
-            if node.primitive == "broadcast_in_dim":
+            if rule == "broadcast":
                 bdims = _tuple(node.params.get("broadcast_dimensions", ()))
                 src = node.in_tensors[0]
                 ins = (
@@ -453,7 +409,7 @@ def _enumerate_followable(node: Node, ctx: CostContext, io: IO | None) -> list[O
         follow_strategy(node, k, s, ctx, io)
         for s in enumerate_shardings(node.in_tensors[k].shape, ctx.mesh)
     ]
-    if node.primitive == "reshape":
+    if rule == "reshape":
         # Also reach result layouts a forward mapping misses (split dims sharded minor).
         for s in enumerate_shardings(node.out_tensors[0].shape, ctx.mesh):
             back, fwd = reshape_sharding(
@@ -714,7 +670,7 @@ def _scatter(node: Node, ctx: CostContext) -> list[OpStrategy]:
         if _has(dn, "scatter_indices_batching_dims", 4)
         else ()
     )
-    additive = node.primitive in ("scatter-add", "scatter_add")
+    additive = sharding_rule(node.primitive) == "scatter_add"
     upd_scatter = [d for d in range(updates.ndim) if d not in window]  # <-> indices dims [:-1]
     op_window = [d for d in range(operand.ndim) if d not in inserted and d not in obatch]
     slots: list[tuple[Any, int]] = []
@@ -774,18 +730,18 @@ def enumerate_strategies(node: Node, ctx: CostContext, io: IO | None = None) -> 
         >>> len(enumerate_strategies(matmul_node, ctx)) > 1     # doctest: +SKIP
         True
     """
-    p = node.primitive
+    rule = sharding_rule(node.primitive)
     if not node.out_tensors:
         return [replicated_strategy(node, ctx)]
-    if p == "dot_general":
+    if rule == "dot":
         out = _dot_general(node, ctx)
-    elif p == "conv_general_dilated":
+    elif rule == "conv":
         out = _conv(node, ctx)
-    elif p == "gather":
+    elif rule == "gather":
         out = _gather(node, ctx)
-    elif p in ("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"):
+    elif rule in ("scatter", "scatter_add"):
         out = _scatter(node, ctx)
-    elif p in _RULES or p == "iota":
+    elif rule in _RULES or rule == "source":
         out = _enumerate_followable(node, ctx, io)
     else:
         out = [replicated_strategy(node, ctx)]

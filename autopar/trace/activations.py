@@ -11,11 +11,12 @@ PyTorch's min-cut rematerialisation partitioner): every forward value is either 
 backward pass from stored values, and the cut minimises the stored bytes under three rules.
 
 * **Recomputable ops** (``recompute_elementwise=True``): elementwise, broadcast and layout
-  ops (``_RECOMPUTABLE``) may be recomputed inside fused backward kernels, as Megatron's
-  hand-written kernels (fused bias-GeLU, fused softmax, LayerNorm) do (XLA does not; see
-  the measurements below). Matmuls, reductions, gathers, random bits and loops may not: their outputs are
-  stored when needed. With ``recompute_elementwise=False`` nothing is recomputed: the
-  stored set is exactly the values the linearised jaxpr reads, JAX's own residuals.
+  ops (``autopar.primitives.RECOMPUTABLE``) may be recomputed inside fused backward
+  kernels, as Megatron's hand-written kernels (fused bias-GeLU, fused softmax, LayerNorm)
+  do (XLA does not; see the measurements below). Matmuls, reductions, gathers, random bits
+  and loops may not: their outputs are stored when needed. With
+  ``recompute_elementwise=False`` nothing is recomputed: the stored set is exactly the
+  values the linearised jaxpr reads, JAX's own residuals.
 * **Materialised operands**: a value read by a backward matmul (``dW = x^T dy`` reads
   ``x``; ``dV = P^T dO`` reads ``P``) must sit in memory: it is stored, not recomputed.
 * **Free values** cost nothing: graph inputs (parameters, the batch), closed-over
@@ -107,48 +108,21 @@ from typing import Literal, get_args
 import numpy as np
 
 from autopar.errors import AutoparError, InvalidOptionError
+from autopar.primitives import RANDOM_BITS, RECOMPUTABLE, RECOMPUTE_CONSUMERS
 from autopar.trace.graph import Graph, Node, TensorInfo
 
 Remat = Literal["none", "selective", "full"]
 REMAT_POLICIES: tuple[str, ...] = get_args(Remat)
 
-# Ops a fused backward kernel may recompute from their operands (Megatron's fused bias-GeLU,
-# softmax and LayerNorm kernels do it by hand; XLA does not across the forward/backward
-# boundary, see the module docstring). Everything else (matmuls, reductions, gathers,
-# random bits, loops) is computed once, in the forward pass.
-_RECOMPUTABLE: frozenset[str] = frozenset(
-    {
-        # unary elementwise
-        "neg", "sign", "floor", "ceil", "round", "is_finite", "exp", "exp2", "log",
-        "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan",
-        "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "abs", "not",
-        "erf", "erfc", "erf_inv", "lgamma", "digamma", "integer_pow", "square", "real",
-        "imag", "conj", "population_count", "clz", "copy", "copy_p", "reduce_precision",
-        "convert_element_type", "bitcast_convert_type", "stop_gradient",
-        # binary / n-ary elementwise
-        "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2",
-        "nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "shift_left",
-        "shift_right_logical", "shift_right_arithmetic", "complex", "select_n", "clamp",
-        # broadcast and layout
-        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota",
-        "rev", "slice", "pad", "concatenate", "dynamic_slice", "split",
-    }
-)  # fmt: skip
-# Backward consumers that fuse their operands' producers (so an elementwise residual they
-# read may be recomputed inside them). Any other consumer (dot_general, convolution,
-# sort, custom calls, while/cond) needs its operand materialised in memory.
-_FUSING_CONSUMERS: frozenset[str] = _RECOMPUTABLE | frozenset(
-    {
-        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-        "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
-        "cumlogsumexp", "gather", "scatter-add", "scatter_add", "dynamic_update_slice",
-    }
-)  # fmt: skip
-# Ops whose outputs are fresh random bits: values computed from them are activations even
-# when no batch input reaches them (a dropout mask drawn from a step-counter seed).
-_RANDOM_BITS: frozenset[str] = frozenset(
-    {"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"}
-)
+# From the primitives table (autopar.primitives): RECOMPUTABLE, ops a fused backward kernel
+# may recompute from their operands (Megatron's fused bias-GeLU, softmax and LayerNorm
+# kernels do it by hand; XLA does not across the forward/backward boundary, see the module
+# docstring); RECOMPUTE_CONSUMERS, the backward consumers that fuse such recomputation (any
+# other consumer, e.g. dot_general, sort or while, needs its operand in memory);
+# RANDOM_BITS, ops whose outputs are fresh random bits (values computed from them are
+# activations even when no batch input reaches them: a dropout mask drawn from a
+# step-counter seed).
+
 _DATA_ROLES: frozenset[str] = frozenset({"batch", "other"})
 # Integer capacities: bytes x _SCALE + a tie-break below _SCALE, so that among cuts of
 # equal bytes the one storing values the backward reads directly wins (a layer's own
@@ -365,7 +339,7 @@ class _Program:
         while changed:
             changed = False
             for op in self.ops:
-                a = op.primitive in _RANDOM_BITS and not op.alias
+                a = op.primitive in RANDOM_BITS and not op.alias
                 a = a or any(act[k] for k in op.inputs)
                 if a:
                     for k in op.outputs:
@@ -403,7 +377,7 @@ def _backward_use(node: Node, operand: int) -> tuple[bool, bool]:
     """(read at all, read by a consumer that cannot fuse it) for a backward node's operand,
     looking into loop bodies."""
     if node.primitive != "scan" or not node.body:
-        if node.primitive in _FUSING_CONSUMERS:
+        if node.primitive in RECOMPUTE_CONSUMERS:
             return True, False
         return True, True
     body = node.body[0]
@@ -468,7 +442,7 @@ def _attention_core(prog: _Program, act: list[bool]) -> set[int]:
         while stack:
             k = stack.pop()
             for op in values[k].producers:
-                if op is seed or not (through(op) or op.primitive in _RANDOM_BITS):
+                if op is seed or not (through(op) or op.primitive in RANDOM_BITS):
                     continue
                 for i in op.inputs:
                     if i not in path and values[i].tensor.size == size and not values[i].free:
@@ -669,7 +643,7 @@ def activation_memory(
     banned = []
     for val in prog.values:
         prim = next((op.primitive for op in val.producers if not op.alias), None)
-        banned.append(prim is not None and (not recompute_elementwise or prim not in _RECOMPUTABLE))
+        banned.append(prim is not None and (not recompute_elementwise or prim not in RECOMPUTABLE))
     unsaveable: set[int] = set()
     if remat == "selective":
         unsaveable = _attention_core(prog, act)

@@ -1,6 +1,7 @@
 """FLOPs and bytes of one (non-composite) equation.
 
-Counting rules (one execution of the equation; loops are scaled by the graph builder):
+Counting rules (one execution of the equation; loops are scaled by the graph builder); a
+primitive's rule is its family's ``flops`` column in :mod:`autopar.primitives`:
 
 * ``dot_general``: ``2 * prod(out.shape) * prod(lhs.shape[c] for c in lhs_contracting)``
   (one multiply and one add per term), exact.
@@ -33,96 +34,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from autopar.primitives import family_of
 from autopar.trace.tensor import TensorInfo
-
-ELEMENTWISE: frozenset[str] = frozenset(
-    """
-    abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
-    cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
-    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
-    population_count pow real reduce_precision rem round rsqrt select_n shift_left
-    shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
-    bessel_i0e bessel_i1e polygamma zeta regularized_incomplete_beta random_gamma_grad
-    threefry2x32 clz
-    """.split()
-)
-REDUCTIONS: frozenset[str] = frozenset(
-    """
-    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
-    cumsum cumprod cummax cummin cumlogsumexp reduce
-    """.split()
-)
-SCATTER_COMBINE: frozenset[str] = frozenset(
-    {
-        "scatter-add",
-        "scatter_add",
-        "scatter-mul",
-        "scatter_mul",
-        "scatter-min",
-        "scatter_min",
-        "scatter-max",
-        "scatter_max",
-        "scatter_sub",
-        "scatter-sub",
-    }
-)
-REDUCE_WINDOW: frozenset[str] = frozenset(
-    {
-        "reduce_window_sum",
-        "reduce_window_max",
-        "reduce_window_min",
-        "reduce_window",
-        "select_and_scatter_add",
-        "select_and_gather_add",
-        "select_and_scatter",
-    }
-)
-DATA_MOVEMENT: frozenset[str] = frozenset(
-    """
-    reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
-    dynamic_update_slice gather scatter concatenate pad rev copy copy_p convert_element_type
-    bitcast_convert_type iota stop_gradient sharding_constraint optimization_barrier
-    device_put split random_bits random_seed random_wrap random_unwrap random_fold_in
-    random_split rng_bit_generator rng_uniform mesh_cast reshard pvary pcast axis_index
-    """.split()
-)
-# Reads only the slice it produces (plus the indices).
-_SLICE_READS: frozenset[str] = frozenset({"gather", "dynamic_slice", "slice"})
-# Update in place: read and write the updated region (operand 2 / operand 1 are the updates).
-_IN_PLACE_UPDATES: dict[str, int] = {
-    **{p: 2 for p in SCATTER_COMBINE},
-    "scatter": 2,
-    "dynamic_update_slice": 1,
-}
 
 
 def is_counted(primitive: str) -> bool:
-    """Whether :func:`eqn_flops` knows ``primitive`` (unknown ones count 0 FLOPs).
+    """Whether :func:`eqn_flops` knows ``primitive`` (unknown ones count 0 FLOPs): whether
+    it has a family in :mod:`autopar.primitives`.
 
     Example:
         >>> is_counted("dot_general"), is_counted("my_custom_op")
         (True, False)
     """
-    return (
-        primitive in ELEMENTWISE
-        or primitive in REDUCTIONS
-        or primitive in SCATTER_COMBINE
-        or primitive in REDUCE_WINDOW
-        or primitive in DATA_MOVEMENT
-        or primitive
-        in {
-            "dot_general",
-            "conv_general_dilated",
-            "sort",
-            "top_k",
-            "fft",
-            "cholesky",
-            "triangular_solve",
-            "scan",
-            "while",
-            "cond",
-        }
-    )
+    return family_of(primitive) is not None
 
 
 def dot_general_flops(lhs_shape: Sequence[int], out_shape: Sequence[int], lhs_contracting) -> float:
@@ -169,38 +93,40 @@ def eqn_flops(
         >>> eqn_flops("exp", {}, [TensorInfo((4, 4), "float32")], [TensorInfo((4, 4), "float32")])
         16.0
     """
-    if primitive == "dot_general":
+    family = family_of(primitive)
+    rule = family.flops if family is not None else None
+    if rule == "dot":
         (lc, _), _ = params["dimension_numbers"]
         return dot_general_flops(in_tensors[0].shape, out_tensors[0].shape, lc)
-    if primitive == "conv_general_dilated":
+    if rule == "conv":
         dn = params["dimension_numbers"]
         return conv_flops(in_tensors[1].shape, out_tensors[0].shape, dn.rhs_spec)
-    if primitive in ELEMENTWISE:
+    if rule == "elementwise":
         return float(sum(t.size for t in out_tensors))
-    if primitive in REDUCTIONS:
-        n = len(out_tensors) if primitive == "reduce" else 1  # variadic reduce: operands
-        return float(sum(t.size for t in in_tensors[:n]))
-    if primitive in SCATTER_COMBINE:
+    if rule == "reduction":
+        # one reduced operand per result (a variadic ``reduce`` has several)
+        return float(sum(t.size for t in in_tensors[: len(out_tensors)]))
+    if rule == "scatter_combine":
         return float(in_tensors[2].size)
-    if primitive in REDUCE_WINDOW:
+    if rule == "reduce_window":
         window = params.get("window_dimensions", ())
         return float(out_tensors[0].size * math.prod(window))
-    if primitive == "sort":
+    if rule == "sort":
         dim = params.get("dimension", 0)
         t = in_tensors[0]
         n = t.shape[dim] if t.shape else 1
         return float(t.size * max(1, math.ceil(math.log2(max(n, 2)))))
-    if primitive == "top_k":
+    if rule == "top_k":
         return float(in_tensors[0].size)
-    if primitive == "cholesky":  # n^3 / 3 multiply-adds per matrix
+    if rule == "cholesky":  # n^3 / 3 multiply-adds per matrix
         t = in_tensors[0]
         n = t.shape[-1] if t.shape else 1
         return float(t.size // max(n * n, 1) * (n**3 / 3.0))
-    if primitive == "triangular_solve":  # a: [..., m, m], b: [..., m, n] -> m^2 n per batch
+    if rule == "triangular_solve":  # a: [..., m, m], b: [..., m, n] -> m^2 n per batch
         a, b = in_tensors[0], in_tensors[1]
         m = a.shape[-1] if a.shape else 1
         return float(b.size * m)
-    if primitive == "fft":
+    if rule == "fft":
         t = in_tensors[0]
         lengths = params.get("fft_lengths", ())
         n = math.prod(lengths) if lengths else 1
@@ -226,11 +152,12 @@ def eqn_bytes(
         >>> eqn_bytes("add", [t, t], [t], [False, False])
         (8192, 4096)
     """
-    if primitive in _SLICE_READS:
+    family = family_of(primitive)
+    if family is not None and family.reads == "slice":
         out = sum(t.nbytes for t in out_tensors)
         idx = sum(t.nbytes for t, lit in zip(in_tensors[1:], literal[1:], strict=True) if not lit)
         return out + idx, out
-    k = _IN_PLACE_UPDATES.get(primitive)
+    k = family.update_operand if family is not None else None
     if k is not None and len(in_tensors) > k:
         upd = in_tensors[k].nbytes
         rest = sum(
