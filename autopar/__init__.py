@@ -5,8 +5,12 @@ lower it to stock JAX (``jax.jit`` with ``NamedSharding``).
 
 Example:
     >>> import autopar
-    >>> @autopar.autoparallel
-    ... def train_step(state, batch): ...                # doctest: +SKIP
+    >>> @autopar.autoparallel(cache=False)
+    ... def train_step(state, batch):
+    ...     return step(state, batch)                  # the single-device step
+    >>> new_state, loss = train_step(state, batch)     # traces, plans, compiles, runs
+    >>> train_step.plan_for(state, batch).num_devices
+    8
 """
 
 __version__ = "0.1.0"

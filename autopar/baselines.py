@@ -24,8 +24,10 @@ recorded in ``plan.layers`` under ``"fallbacks"``. ``plan.predicted`` is left em
 a baseline with ``autopar.evaluate``.
 
 Example:
-    >>> plan = megatron(step, {"data": 2, "tensor": 4}, state, batch)   # doctest: +SKIP
-    >>> plan.input("params/h/attn/q/kernel").spec                       # doctest: +SKIP
+    >>> from benchmarks.models.gpt import GPTConfig, make_train_step
+    >>> step, (state, batch) = make_train_step(GPTConfig.preset("tiny"), 8)
+    >>> plan = megatron(step, {"data": 2, "tensor": 4}, state, batch)
+    >>> plan.input("params/h/attn/q/kernel").spec
     (None, None, 'tensor')
 """
 
@@ -339,9 +341,9 @@ def data_parallel(graph_or_fn: Any, mesh: Any, *args: Any) -> Plan:
     """Pure data parallelism: the batch over every mesh axis, the rest replicated.
 
     Example:
-        >>> plan = data_parallel(step, {"data": 8}, state, batch)    # doctest: +SKIP
-        >>> plan.input("batch/tokens").spec                          # doctest: +SKIP
-        ('data', None)
+        >>> plan = data_parallel(step, {"data": 8}, state, batch)
+        >>> plan.input("batch/x").spec, plan.input("params/layer_0/w").spec
+        (('data', None), (None, None))
     """
     axes = tuple(_mesh_dict(mesh))
     return _build(graph_or_fn, mesh, args, name="data_parallel", batch_axes=axes)
@@ -356,9 +358,9 @@ def zero(
     function the arguments follow the stage: ``zero(step, mesh, 3, state, batch)``.
 
     Example:
-        >>> plan = zero(graph, {"data": 8}, stage=3)                  # doctest: +SKIP
-        >>> plan.zero_stage                                          # doctest: +SKIP
-        3
+        >>> plan = zero(graph, {"data": 8}, stage=3)
+        >>> plan.zero_stage, plan.input("params/layer_0/w").spec
+        (3, (None, 'data'))
     """
     if stage not in (1, 2, 3):
         raise InvalidOptionError(f"stage={stage!r} must be 1, 2 or 3.")
@@ -374,8 +376,10 @@ def megatron(graph_or_fn: Any, mesh: Any, *args: Any, tensor_axis: str = "tensor
     """Megatron-LM tensor parallelism over ``tensor_axis``; the batch over the other axes.
 
     Example:
-        >>> plan = megatron(step, {"tensor": 8}, state, batch)         # doctest: +SKIP
-        >>> plan.input("params/h/mlp/fc_out/kernel").spec               # doctest: +SKIP
+        >>> from benchmarks.models.gpt import GPTConfig, make_train_step
+        >>> step, (state, batch) = make_train_step(GPTConfig.preset("tiny"), 8)
+        >>> plan = megatron(step, {"tensor": 8}, state, batch)
+        >>> plan.input("params/h/mlp/fc_out/kernel").spec
         (None, 'tensor', None)
     """
     mesh_d = _mesh_dict(mesh)
@@ -394,7 +398,11 @@ def data_tensor(
     Megatron over ``tensor_axis``.
 
     Example:
-        >>> plan = data_tensor(step, {"data": 2, "tensor": 4}, state, batch)   # doctest: +SKIP
+        >>> from benchmarks.models.gpt import GPTConfig, make_train_step
+        >>> step, (state, batch) = make_train_step(GPTConfig.preset("tiny"), 8)
+        >>> plan = data_tensor(step, {"data": 2, "tensor": 4}, state, batch)
+        >>> plan.input("batch/tokens").spec, plan.input("params/h/mlp/fc_in/kernel").spec
+        (('data', None), (None, None, 'tensor'))
     """
     mesh_d = _mesh_dict(mesh)
     for ax in (data_axis, tensor_axis):
@@ -411,7 +419,11 @@ def expert_parallel(graph_or_fn: Any, mesh: Any, *args: Any, expert_axis: str = 
     split over ``expert_axis``, the batch over every axis, other parameters replicated.
 
     Example:
-        >>> plan = expert_parallel(step, {"data": 2, "expert": 4}, state, batch)  # doctest: +SKIP
+        >>> from benchmarks.models.moe import MoEConfig, make_train_step
+        >>> step, (state, batch) = make_train_step(MoEConfig.preset("tiny"), 8)
+        >>> plan = expert_parallel(step, {"data": 2, "expert": 4}, state, batch)
+        >>> plan.input("params/h_1/moe/wi").spec, plan.input("batch/tokens").spec
+        (('expert', None, None), (('data', 'expert'), None))
     """
     mesh_d = _mesh_dict(mesh)
     if expert_axis not in mesh_d:

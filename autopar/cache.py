@@ -6,9 +6,11 @@ misses the cache. Writes are atomic (temporary file + ``os.replace``): a crash n
 a partial plan behind, and two processes racing on the same key both end with a whole file.
 
 Example:
-    >>> cache = PlanCache("/tmp/autopar-cache")            # doctest: +SKIP
-    >>> key = plan_key(graph, cluster, options)             # doctest: +SKIP
-    >>> cache.get(key) or cache.put(key, autopar.plan(...)) # doctest: +SKIP
+    >>> cache = PlanCache(tmp_dir)
+    >>> key = plan_key(graph, cluster, SearchOptions())
+    >>> p = cache.get(key) or cache.put(key, autopar.plan(graph, cluster=cluster))  # a miss
+    >>> cache.get(key).mesh == p.mesh                                             # a hit
+    True
 """
 
 from __future__ import annotations

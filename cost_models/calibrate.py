@@ -138,7 +138,9 @@ def calibrate(quick: bool = False) -> Profile:
     """Run the microbenchmarks on the current backend and fit a :class:`Profile`.
 
     Example:
-        >>> p = calibrate(quick=True)  # doctest: +SKIP
+        >>> p = calibrate(quick=True)  # here: the 8 simulated CPU devices of the tests
+        >>> p.platform, p.num_devices, p.catalog_device
+        ('cpu', 8, 'cpu-sim')
     """
     import jax
 
@@ -181,8 +183,9 @@ def calibrate_to_file(
     """Run :func:`calibrate`, save the profile atomically, print a summary; return its path.
 
     Example:
-        >>> calibrate_to_file(quick=True, out="/tmp/profiles")  # doctest: +SKIP
-        PosixPath('/tmp/profiles/cpu-0.10.2.json')
+        >>> path = calibrate_to_file(quick=True, out=tmp_dir, show=False)
+        >>> path.parent == tmp_dir, path.name  # <platform>-<jax version>.json
+        (True, 'cpu-0.10....json')
     """
     profile = calibrate(quick=quick)
     path = save_profile(profile, out)

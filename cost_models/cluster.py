@@ -210,8 +210,9 @@ class Cluster:
         replace the catalog defaults.
 
         Example:
-            >>> Cluster.local().device.kind in ("cpu", "gpu", "tpu")  # doctest: +SKIP
-            True
+            >>> c = Cluster.local()  # here: the 8 simulated CPU devices of the tests
+            >>> c.name, c.num_devices, c.device.kind in ("cpu", "gpu", "tpu")
+            ('local-cpu-sim', 8, True)
         """
         import jax  # lazily: cost_models works without jax
 

@@ -1,8 +1,8 @@
 """Lowering: a :class:`~autopar.plan.Plan` -> a sharded ``jax.jit`` program.
 
 Example:
-    >>> lowered = autopar.lower.lower_plan(step, plan, (state, batch))   # doctest: +SKIP
-    >>> state, loss = lowered(state, batch)                               # doctest: +SKIP
+    >>> lowered = autopar.lower.lower_plan(step, plan, (state, batch), graph=graph)
+    >>> state, loss = lowered(state, batch)  # compiles, ~1 s  # doctest: +SKIP
 
 Remat from outside the model (``plan.remat`` = ``"selective"`` / ``"full"``) rewrites the
 traced step's evaluation: see :mod:`autopar.lower.remat`.

@@ -13,10 +13,11 @@ gathered copy then lives from just before its use to just after, as planned.
 to, and which later readers of the same gathered value reuse it.
 
 Example:
-    >>> late = late_gathers(graph, plan.activations, [r.spec for r in plan.inputs],
-    ...                     plan.mesh)                                 # doctest: +SKIP
-    >>> late.ties[((), 212)], late.reuse[((), 530)]                    # doctest: +SKIP
-    ({1: 0}, {1: (212, 1)})
+    >>> late = late_gathers(graph, plan.activations, [r.spec for r in plan.inputs], plan.mesh)
+    >>> late.ties  # layer 1's matmul (node 6) gathers its weight (operand 1) after operand 0
+    {((), 6): {1: 0}}
+    >>> graph.nodes[6].primitive, graph.nodes[6].layer
+    ('dot_general', 1)
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """What differs between two plans: mesh, knobs, per-input layouts, predicted cost.
 
 Example:
-    >>> print(diff(plan_a, plan_b))          # doctest: +SKIP
+    >>> dp = autopar.baselines.data_parallel(graph, {"data": 8})
+    >>> print(diff(dp, autopar.baselines.zero(graph, {"data": 8}, stage=3)))
+    zero_stage: 0  ->  3
+    state/opt_state/0/mu/layer_0/b: P(None)  ->  P('data')
+    ...
+    state/params/layer_1/w: P(None, None)  ->  P('data', None)
 """
 
 from __future__ import annotations

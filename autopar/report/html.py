@@ -3,7 +3,11 @@
 Every file is written atomically, so an interrupted run never leaves a half-written plan.
 
 Example:
-    >>> write_report(plan, "autopar-report", sections={"verify": str(report)})  # doctest: +SKIP
+    >>> out = str(tmp_dir / "autopar-report")
+    >>> write_report(plan, out, sections={"notes": "a 2-layer MLP"}) == f"{out}/index.html"
+    True
+    >>> sorted(os.listdir(out))
+    ['index.html', 'memory.png', 'plan.json', 'summary.txt', 'time.png']
 """
 
 from __future__ import annotations

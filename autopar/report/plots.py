@@ -1,7 +1,9 @@
 """Matplotlib figures of a plan's predicted cost (headless: the Agg backend).
 
 Example:
-    >>> paths = save_plots(plan, "autopar-report")      # doctest: +SKIP
+    >>> paths = save_plots(plan, str(tmp_dir))
+    >>> [os.path.basename(p) for p in paths]
+    ['time.png', 'memory.png']
 """
 
 from __future__ import annotations

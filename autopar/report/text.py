@@ -4,7 +4,9 @@ Rendered with ``rich`` into a string so the same text serves the terminal, tests
 HTML report.
 
 Example:
-    >>> print(summary(plan))                    # doctest: +SKIP
+    >>> print(summary(plan))
+    Plan 'autopar': mesh data=4 x tensor=2 (8 devices), ZeRO stage 0, remat none
+    ...
 """
 
 from __future__ import annotations
@@ -140,7 +142,13 @@ def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
     """A readable multi-table summary of a plan.
 
     Example:
-        >>> print(autopar.report.summary(plan))       # doctest: +SKIP
+        >>> print(autopar.report.summary(plan))
+        Plan 'autopar': mesh data=4 x tensor=2 (8 devices), ZeRO stage 0, remat none
+        ...
+        Predicted cost per step (dgx-a100-80gb)
+        ...
+        │ step time               │ ... us │
+        ...
     """
     head = (
         f"Plan '{plan.name}': mesh {mesh_text(plan)} ({plan.num_devices} devices), "

@@ -63,13 +63,16 @@ def evaluate_inlined(
             values, or a re-traced body changed its output types.
 
     Example:
-        >>> g = autopar.trace(step, *args)                       # doctest: +SKIP
-        >>> def hook(node, outs):
-        ...     if node.id in planned:                           # doctest: +SKIP
-        ...         outs = [jax.lax.with_sharding_constraint(o, planned[node.id]) for o in outs]
+        >>> g = autopar.trace(step, state, batch)
+        >>> rows = jax.NamedSharding(jax.sharding.Mesh(jax.devices(), ("data",)),
+        ...                          jax.P("data"))
+        >>> def hook(node, outs):  # split every matmul's result by rows
+        ...     if node.primitive == "dot_general":
+        ...         outs = [jax.lax.with_sharding_constraint(o, rows) for o in outs]
         ...     return outs
         >>> flat = jax.jit(lambda *xs: evaluate_inlined(g, *xs, hook=hook))(
-        ...     *jax.tree.leaves(args))                          # doctest: +SKIP
+        ...     *jax.tree.leaves((state, batch)))
+        >>> new_state, loss = jax.tree.unflatten(g.out_tree, flat)
     """
     closed = graph.jaxpr
     if closed is None:
@@ -86,8 +89,9 @@ def as_function(
     and out), so ``jax.jit(as_function(g, hook))`` is the step with the hook applied.
 
     Example:
-        >>> g = autopar.trace(lambda x: jnp.sin(x) * 2, jnp.ones(3))   # doctest: +SKIP
-        >>> as_function(g)(jnp.ones(3))                                # doctest: +SKIP
+        >>> g = autopar.trace(lambda x: jnp.sin(x) * 2, jnp.ones(3))
+        >>> as_function(g)(jnp.zeros(3))
+        Array([0., 0., 0.], dtype=float32)
     """
 
     def fn(*args: Any, **kwargs: Any) -> Any:
