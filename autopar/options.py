@@ -15,13 +15,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from autopar.axes import AXIS_NAMES
 from autopar.errors import InvalidOptionError
-
-AXIS_NAMES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
-"""Mesh axes autopar knows, outer -> inner (inner axes land on the fastest links)."""
-
-AUTO_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "seq", "tensor")
-"""The axes the search picks from when ``SearchOptions.axes`` is ``None``."""
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 Remat = Literal["none", "selective", "full"]

@@ -246,7 +246,14 @@ class Predicted:
         memory_breakdown: parameters / gradients / optimizer / activations / temporaries.
         flops_per_device: FLOPs each device executes per step.
         collectives: per kind and axes.
-        objective: the ILP objective of the intra-op solve (seconds), when one ran.
+        objective: the ILP objective of the intra-op solve (seconds), when one ran:
+            for a planner's plan, equal to ``step_time_s`` (the number the search
+            minimised is the number the plan reports).
+        overlap_step_time_s: the overlap refinement of ``step_time_s``
+            (``cost_models.compose_step_time``: hiding bounded by the compute available
+            instead of weighted), when known.
+        merged_reshard_s: seconds in ``step_time_s`` for reshards that XLA's CSE merges
+            (the ILP charges each reader; ``collectives`` lists them once).
     """
 
     step_time_s: float
@@ -259,6 +266,8 @@ class Predicted:
     flops_per_device: float = 0.0
     collectives: tuple[PredictedCollective, ...] = ()
     objective: float | None = None
+    overlap_step_time_s: float | None = None
+    merged_reshard_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_breakdown", dict(self.memory_breakdown))

@@ -34,7 +34,7 @@ BACKENDS = ("cpsat", "highs")
 
 def _uncoarsened(bp) -> tuple[int, int]:
     """Ops and the strategies they would have if every op chose on its own."""
-    from autopar.search.ilp import _struct_key
+    from autopar.search.ilp import struct_key
     from autopar.search.strategies import enumerate_strategies
 
     cache: dict = {}
@@ -44,7 +44,7 @@ def _uncoarsened(bp) -> tuple[int, int]:
         if op.kind != "node":
             continue
         ops += 1
-        key = _struct_key(op.node)
+        key = struct_key(op.node)
         if key not in cache:
             cache[key] = len(enumerate_strategies(op.node, bp.ctx))
         total += cache[key]
@@ -55,7 +55,7 @@ def run(layers: int, scan: bool, mesh: dict[str, int], batch: int = 8) -> dict:
     from autopar.options import SearchOptions
     from autopar.search.evaluate import decode
     from autopar.search.planner import build_problem, solve_within_memory
-    from autopar.search.solver import _presolve
+    from autopar.search.solver import presolve_stats
     from autopar.trace import trace
     from benchmarks.models.gpt import GPTConfig, make_train_step
     from cost_models import Cluster
@@ -73,7 +73,7 @@ def run(layers: int, scan: bool, mesh: dict[str, int], batch: int = 8) -> dict:
     t_build = time.perf_counter() - t0
     ops, strategies = _uncoarsened(built)
     t0 = time.perf_counter()
-    cp = _presolve(built.problem, "cost")
+    stats = presolve_stats(built.problem)
     t_presolve = time.perf_counter() - t0
     row = {
         "layers": layers,
@@ -83,10 +83,10 @@ def run(layers: int, scan: bool, mesh: dict[str, int], batch: int = 8) -> dict:
         "strategies_before": strategies,
         "groups": len(built.groups),
         "strategies_after": built.problem.size["strategies"],
-        "ilp_choices": len(cp.keep),
-        "ilp_strategies": cp.stats["kept"],
-        "ilp_edges": cp.stats["edges"],
-        "ilp_edge_pairs": cp.stats["pairs"],
+        "ilp_choices": stats["choices"],
+        "ilp_strategies": stats["kept"],
+        "ilp_edges": stats["edges"],
+        "ilp_edge_pairs": stats["pairs"],
         "trace_s": t_trace,
         "build_s": t_build,
         "presolve_s": t_presolve,

@@ -50,7 +50,13 @@ from cost_models.memory import (
     pipeline_p2p_bytes,
     tensor_parallel_bytes_per_layer,
 )
-from cost_models.overlap import COMM_CLASSES, StepTime, compose_step_time
+from cost_models.overlap import (
+    COMM_CLASSES,
+    EXPOSED_CLASSES,
+    HIDEABLE_CLASSES,
+    StepTime,
+    compose_step_time,
+)
 from cost_models.pipeline import ScheduleResult, TimelineEntry, simulate_schedule
 from cost_models.profile import (
     CollectiveSample,
@@ -69,6 +75,8 @@ __all__ = [
     "ALGORITHMS",
     "COLLECTIVE_KINDS",
     "COMM_CLASSES",
+    "EXPOSED_CLASSES",
+    "HIDEABLE_CLASSES",
     "COST_MODEL_VERSION",
     "DEFAULT_EFFICIENCY",
     "DEFAULT_OVERLAP_EFFICIENCY",

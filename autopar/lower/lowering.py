@@ -52,6 +52,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from autopar.axes import batch_axes
 from autopar.errors import LoadPlanError, LowerPlanError
 from autopar.lower.mesh import make_mesh
 from autopar.lower.order import LateGathers, late_gathers, tie
@@ -72,24 +73,17 @@ from autopar.plan import (
     spec_axes,
     to_partition_spec,
 )
+from autopar.trace.roles import key_name
 
 Scope = tuple[tuple[int, int], ...]
 
 # Axes that never split the batch: ZeRO-3's "gathered" spec keeps them.
-_MODEL_AXES = frozenset({"tensor", "expert", "seq", "pipe"})
 
 # Memory figures on CPU hide the scratch of YNN fusions unless this is set (JAX-NOTES).
 CPU_MEMORY_COMPILER_OPTIONS: Mapping[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 # ------------------------------------------------------------------------------- paths
-
-
-def _key_str(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
 
 
 def leaf_paths(args: Sequence[Any], names: Sequence[str] | None = None) -> list[str]:
@@ -105,7 +99,7 @@ def leaf_paths(args: Sequence[Any], names: Sequence[str] | None = None) -> list[
     for i, a in enumerate(args):
         head = names[i] if names is not None and i < len(names) else str(i)
         for kp, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
-            out.append("/".join([head, *(_key_str(k) for k in kp)]))
+            out.append("/".join([head, *(key_name(k) for k in kp)]))
     return out
 
 
@@ -456,7 +450,7 @@ def data_parallel_axes(plan: Plan) -> frozenset[str]:
     (default ``data``/``fsdp``, or every non-model axis, when no input is a batch)."""
     axes = {a for r in plan.inputs if r.role == "batch" for a in spec_axes(r.spec)}
     if not axes:
-        axes = {a for a in plan.mesh if a not in _MODEL_AXES}
+        axes = set(batch_axes(plan.mesh))
     return frozenset(axes)
 
 

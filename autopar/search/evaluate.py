@@ -21,9 +21,9 @@ from typing import Any
 from autopar.errors import InvalidOptionError, LoadPlanError
 from autopar.plan import ActivationConstraint, Plan, Predicted, PredictedCollective
 from autopar.search.costs import CostContext
-from autopar.search.ilp import BuiltProblem, ProblemBuilder, collective_class, objective_weight
+from autopar.search.ilp import BuiltProblem, build
+from autopar.search.pricing import price_choice
 from autopar.search.sharding import (
-    Collective,
     Sharding,
     from_plan_spec,
     reshard_steps,
@@ -39,15 +39,19 @@ class Evaluation:
 
     Attributes:
         mesh: the plan's mesh.
-        objective_s: what the ILP minimises: compute + collectives, with the overlappable
-            classes (gradient reductions, parameter gathers) counted at
-            ``1 - overlap_efficiency`` (see ``ilp.objective_weight``).
-        step_time_s: ``compose_step_time`` of the parts: overlappable collectives
-            (gradient reductions, parameter gathers) hide behind compute.
+        step_time_s: the linear step time (:mod:`autopar.search.pricing`): compute plus
+            every collective, the overlappable classes (gradient reductions, parameter
+            gathers) counted at ``1 - overlap_efficiency``. For a planner's plan, exactly
+            the objective its ILP minimised.
+        objective_s: the same number (kept for callers that read it under this name).
         compute_s: compute time.
         backward_compute_s: the backward pass's part of it.
-        communication_s: all collective time (hidden or not).
-        exposed_communication_s: the part on the critical path.
+        communication_s: all collective time the program runs (hidden or not).
+        exposed_communication_s: ``step_time_s - compute_s``.
+        hidden_communication_s: the overlappable seconds the linear form hides.
+        overlap_step_time_s: the overlap refinement: ``cost_models.compose_step_time`` of
+            the same parts, with hiding bounded by the compute available.
+        merged_reshard_s: seconds in ``step_time_s`` for reshards XLA's CSE merges.
         communication_by_class: seconds per ``cost_models.COMM_CLASSES`` class.
         collectives: per (kind, axes, class): total bytes, count and time per step.
         memory_bytes_per_device: peak bytes per device.
@@ -73,6 +77,8 @@ class Evaluation:
     memory_limit_bytes: float | None = None
     solve_status: str = "optimal"
     hidden_communication_s: float = 0.0
+    overlap_step_time_s: float = 0.0
+    merged_reshard_s: float = 0.0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,6 +106,8 @@ class Evaluation:
             flops_per_device=self.flops_per_device,
             collectives=self.collectives,
             objective=self.objective_s,
+            overlap_step_time_s=self.overlap_step_time_s,
+            merged_reshard_s=self.merged_reshard_s,
         )
 
     def summary(self) -> str:
@@ -107,7 +115,8 @@ class Evaluation:
         lines = [
             f"mesh {dict(self.mesh)}: step {self.step_time_s * 1e3:.3f} ms "
             f"(compute {self.compute_s * 1e3:.3f} ms, exposed comm "
-            f"{self.exposed_communication_s * 1e3:.3f} ms of {self.communication_s * 1e3:.3f} ms)",
+            f"{self.exposed_communication_s * 1e3:.3f} ms of {self.communication_s * 1e3:.3f} ms; "
+            f"with overlap bounded by compute {self.overlap_step_time_s * 1e3:.3f} ms)",
             f"memory {self.memory_bytes_per_device / 2**30:.3f} GiB/device "
             + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in sorted(self.memory_breakdown.items())),
         ]
@@ -128,117 +137,26 @@ def decode(
     memory_limit: float | None = None,
     sources: list[CollectiveSource] | None = None,
 ) -> Evaluation:
-    """Turn a choice for a built problem into an :class:`Evaluation`.
+    """Turn a choice for a built problem into an :class:`Evaluation`, priced by
+    :func:`autopar.search.pricing.price_choice` (the door the ILP's costs came through).
 
     ``rename`` maps the problem's mesh axis names to the names the plan reports. If
     ``sources`` is a list, one :class:`CollectiveSource` per predicted collective is
     appended to it (which operation or value it comes from).
     """
-    import cost_models
-
     rename = dict(rename or {})
-    compute = backward = flops = 0.0
+    priced = price_choice(bp, choice, rename)
     colls: dict[tuple[str, tuple[str, ...], str], list[float]] = {}
-    combined: dict[tuple, float] = {}  # (scope, kind, axes, executions) -> latency
-
-    def add(c: Collective, weight: float, cls: str, lat: float = 0.0, where: str = "") -> None:
-        if c.time_s == 0.0 and c.nbytes == 0.0:
-            return
-        key = (c.kind, tuple(rename.get(a, a) for a in c.axes), cls)
+    for c in priced.emitted:
         if sources is not None:
-            sources.append(CollectiveSource(c.kind, key[1], c.nbytes, weight, cls, where))
-        acc = colls.setdefault(key, [0.0, 0.0, 0.0])
-        acc[0] += weight * c.nbytes
-        acc[1] += weight
-        acc[2] += weight * (c.time_s - lat)
-
-    def leader(op_index: int):
-        g, _ = bp.op_group[op_index]
-        return bp.ops[bp.groups[g].ops[0]]
-
-    for g, group in enumerate(bp.groups):
-        strats = group.strategies[choice[g]]
-        ports: dict[tuple[int, int], Sharding] = {}
-        for pos, oi in enumerate(group.ops):
-            for p, o in enumerate(strats[pos].outs):
-                ports[(oi, p)] = o
-        for pos, oi in enumerate(group.ops):
-            op = bp.ops[oi]
-            st = strats[pos]
-            compute += op.weight * st.compute_s
-            flops += op.weight * st.flops
-            if op.phase == "backward":
-                backward += op.weight * st.compute_s
-            for c in st.comm:
-                cls = collective_class(bp.param_shapes, c, op=op, source=None, rename=rename)
-                if cls == "dp_grad":
-                    # Gradient reductions of one scope over the same devices are combined
-                    # into one collective (ilp.Charge): its latency is added once below.
-                    # ``count`` stays the number of collectives the partitioner emits
-                    # (what ``autopar.verify`` reads, before XLA's combiner runs).
-                    lat = bp.ctx.latency(c.kind, c.axes)
-                    combined[(op.scope, c.kind, c.axes, op.weight)] = lat
-                    add(c, op.weight, cls, lat=lat, where=f"{op.name} (op)")
-                else:
-                    add(c, op.weight, cls, where=f"{op.name} (op)")
-            # Resharding inside the group.
-            for k, ref in enumerate(op.operands):
-                if ref is None or bp.op_group.get(ref.op, (-1,))[0] != g or k >= len(st.ins):
-                    continue
-                need = st.ins[k]
-                have = ((),) * ref.delta + ports[(ref.op, ref.port)]
-                if need is None or have == need:
-                    continue
-                t = op.node.in_tensors[k]
-                w = min(op.weight, bp.ops[ref.op].weight)
-                for c in bp.ctx.reshard(t.shape, t.dtype, have, need)[1]:
-                    add(
-                        c,
-                        w,
-                        collective_class(
-                            bp.param_shapes, c, op=op, source=leader(ref.op), rename=rename
-                        ),
-                        where=f"{op.name} operand {k} {have}->{need} {t.shape}",
-                    )
-    # The same value resharded the same way for several readers is one collective in the
-    # program (XLA's CSE merges identical ones: an FSDP parameter gathered for the forward
-    # and again for the backward is gathered once and kept).
-    done: set[tuple] = set()
-    for e in bp.edges:
-        op = bp.ops[e.op]
-        st = bp.strategy(e.op, choice)
-        need = st.ins[e.operand] if e.operand < len(st.ins) else None
-        if need is None:
-            continue
-        have = bp.spec(e.ref, choice)
-        if have == need:
-            continue
-        t = op.node.in_tensors[e.operand]
-        w = min(op.weight, bp.ops[e.ref.op].weight)
-        key = (e.ref, have, need, w, op.scope)
-        if key in done:
-            continue
-        done.add(key)
-        for c in bp.ctx.reshard(t.shape, t.dtype, have, need)[1]:
-            add(
-                c,
-                w,
-                collective_class(
-                    bp.param_shapes,
-                    c,
-                    op=op,
-                    source=leader(e.ref.op),
-                    rename=rename,
-                    dest=leader(e.op),
-                ),
-                where=f"{op.name} operand {e.operand} {have}->{need} {t.shape}",
-            )
-
-    for (_, kind, axes, weight), lat in combined.items():
-        acc = colls[(kind, tuple(rename.get(a, a) for a in axes), "dp_grad")]
-        acc[2] += weight * lat
-    eta = float(bp.ctx.cluster.overlap_efficiency)
-    weighted = sum(objective_weight(cls, eta) * acc[2] for (_, _, cls), acc in colls.items())
+            sources.append(CollectiveSource(c.kind, c.axes, c.nbytes, c.executions, c.cls, c.where))
+        acc = colls.setdefault((c.kind, c.axes, c.cls), [0.0, 0.0, 0.0])
+        acc[0] += c.executions * c.nbytes
+        acc[1] += c.executions
+        acc[2] += c.executions * c.own_s
+    for r in priced.combined:
+        acc = colls[(r.kind, tuple(rename.get(a, a) for a in r.axes), "dp_grad")]
+        acc[2] += r.executions * r.latency_s
     collectives = tuple(
         PredictedCollective(kind, axes, b, max(1, round(n)), t, cls)
         for (kind, axes, cls), (b, n, t) in sorted(colls.items())
@@ -247,26 +165,27 @@ def decode(
     for c in collectives:
         by_class[c.where] = by_class.get(c.where, 0.0) + c.time_s
     comm = sum(by_class.values())
-    step = cost_models.compose_step_time(
-        compute, by_class, min(backward, compute), bp.ctx.cluster.overlap_efficiency
-    )
+    step = priced.step_time_s
+    exposed = step - priced.compute_s
     peak, moment, breakdown = bp.peak(choice)
     return Evaluation(
         mesh={rename.get(a, a): s for a, s in bp.ctx.mesh_dict.items()},
-        objective_s=compute + weighted,
-        step_time_s=step.total_s,
-        compute_s=compute,
-        backward_compute_s=backward,
+        objective_s=step,
+        step_time_s=step,
+        compute_s=priced.compute_s,
+        backward_compute_s=priced.backward_compute_s,
         communication_s=comm,
-        exposed_communication_s=step.exposed_comm_s,
+        exposed_communication_s=exposed,
         communication_by_class=by_class,
         collectives=collectives,
         memory_bytes_per_device=peak,
         memory_breakdown=breakdown,
-        flops_per_device=flops,
+        flops_per_device=priced.flops,
         memory_limit_bytes=memory_limit,
         solve_status=status,
-        hidden_communication_s=step.hidden_comm_s,
+        hidden_communication_s=max(0.0, comm + priced.merged_reshard_s - exposed),
+        overlap_step_time_s=priced.overlap_step_time().total_s,
+        merged_reshard_s=priced.merged_reshard_s,
         extra={"peak_moment": moment, "problem_objective": bp.problem.objective(choice)},
     )
 
@@ -507,15 +426,14 @@ def _complete(
         if plan.activations
         else PROPAGATION_PENALTY * ctx.latency("all-reduce", tuple(plan.mesh))
     )
-    builder = ProblemBuilder(
+    bp = build(
         graph,
         ctx,
         fixed_inputs=fixed,
         constraints=_resolve_constraints(graph, raw),
-        coarsen=coarsen,
+        coarsen_groups=coarsen,
         replication_penalty_s=penalty,
     )
-    bp = builder.build()
     sol = solve(bp.problem, time_limit_s)
     if not sol.ok:
         raise LoadPlanError(f"could not complete the plan's layouts (solver status {sol.status}).")

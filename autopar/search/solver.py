@@ -373,6 +373,21 @@ def _presolve(problem: ShardingProblem, minimize: str, eliminate: bool = True) -
     return _compact(red, alive, memory)
 
 
+def presolve_stats(problem: ShardingProblem) -> dict[str, int]:
+    """How big the problem is after the exact presolve (what the backends solve):
+    ``choices`` (representative nodes kept), ``strategies`` (before elimination),
+    ``kept`` (after), ``edges`` and ``pairs`` (edge matrix entries).
+
+    Example:
+        >>> from autopar.search.problem import ProblemNode
+        >>> p = ShardingProblem((ProblemNode("a", (1.0, 2.0)), ProblemNode("b", (2.0, 1.0))))
+        >>> presolve_stats(p)["kept"]
+        2
+    """
+    cp = _presolve(problem, "cost")
+    return {"choices": len(cp.keep), **cp.stats}
+
+
 # ----------------------------------------------------------------------------- heuristics
 
 
@@ -788,4 +803,4 @@ def _solve_highs(problem, cp: _Compact, time_limit_s, minimize, relax: bool = Fa
     return picked, "optimal" if result.status == 0 else "feasible", bound
 
 
-__all__ = ["BACKENDS", "greedy_choice", "objective_lower_bound", "solve"]
+__all__ = ["BACKENDS", "greedy_choice", "objective_lower_bound", "presolve_stats", "solve"]

@@ -1,0 +1,279 @@
+"""Build stage 4, memory: what is live when, and its bytes per device under a choice.
+
+Inputs are live throughout (outputs that replace an input reuse its buffer: the step
+updates its state in place); every other value from its producer to its last consumer,
+following the traced program order with XLA's fusion applied
+(``fusion.materialised_values``: fused values are never stored; the fusion runs when its
+consumer does); inside a scan the body's largest live set rides on top. A value read in
+another layout than it is made in occupies a second buffer when the reshard moves data
+(:func:`copies`). A few peak moments of the replicated profile become the ILP's linear
+constraints (:func:`memory_constraint`, :func:`pick_moments`); :func:`peak` checks every
+moment exactly, copies included, and the planner adds any moment that breaks the bound.
+
+This is the planner's one memory model: ``plan.predicted.memory_bytes_per_device`` and
+the ILP's memory constraints both come from it.
+
+Example:
+    >>> persistent, timeline = liveness(coarse)              # doctest: +SKIP
+    >>> len(timeline) == len(coarse.graph.nodes)             # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from autopar.search.build.coarsen import Coarse
+from autopar.search.build.flatten import scan_ok
+from autopar.search.build.records import MemValue, Ref, Scope, pad
+from autopar.search.fusion import materialised_values
+from autopar.search.problem import MemoryConstraint
+from autopar.search.sharding import shards
+from autopar.trace.graph import Graph
+
+if TYPE_CHECKING:
+    from autopar.search.ilp import BuiltProblem
+
+ROLE_CATEGORY = {
+    "param": "params",
+    "opt_state": "optimizer",
+    "model_state": "model_state",
+    "batch": "inputs",
+    "other": "inputs",
+}
+"""Memory breakdown category of each input role."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Live values over one graph's program order, as events per moment: values born,
+    values whose last use it is, and a scan body's transient peak set riding on top."""
+
+    born: tuple[tuple[MemValue, ...], ...]
+    dies: tuple[tuple[MemValue, ...], ...]
+    extra: tuple[tuple[MemValue, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.born)
+
+    def live_at(self, t: int) -> list[MemValue]:
+        live: dict[int, MemValue] = {}
+        for i in range(t + 1):
+            for mv in self.born[i]:
+                live[id(mv)] = mv
+            if i < t:
+                for mv in self.dies[i]:
+                    live.pop(id(mv), None)
+        return list(live.values()) + list(self.extra[t])
+
+    def totals(self, size: Callable[[MemValue], float]) -> list[float]:
+        """``sum(size(v))`` over the live values at every moment."""
+        out = []
+        running = 0.0
+        for i in range(len(self.born)):
+            running += sum(size(v) for v in self.born[i])
+            out.append(running + sum(size(v) for v in self.extra[i]))
+            running -= sum(size(v) for v in self.dies[i])
+        return out
+
+    def peak_set(self) -> list[MemValue]:
+        if not self.born:
+            return []
+        totals = self.totals(lambda v: v.tensor.nbytes)
+        return self.live_at(max(range(len(totals)), key=totals.__getitem__))
+
+
+def liveness(coarse: Coarse) -> tuple[tuple[MemValue, ...], Timeline]:
+    """The persistent values (inputs) and the timeline of everything else."""
+    g = coarse.graph
+    persistent = tuple(
+        MemValue(Ref(coarse.flat.input_ops[gi.index], 0), gi.tensor, ROLE_CATEGORY[gi.role], gi.path)
+        for gi in g.inputs
+    )
+    donated = {
+        g.outputs[gi.output_index].value
+        for gi in g.inputs
+        if gi.output_index is not None and gi.output_index < len(g.outputs)
+    }
+    inputs = {gi.value for gi in g.inputs}
+    return persistent, _timeline(coarse, g, (), skip=donated | inputs)
+
+
+def _timeline(coarse: Coarse, graph: Graph, scope: Scope, *, skip: set[int]) -> Timeline:
+    env = coarse.envs.get(scope, {})
+    nodes = graph.nodes
+    n = len(nodes)
+    pos = {node.id: i for i, node in enumerate(nodes)}
+    out_values = {o.value for o in graph.outputs}
+    born: list[list[MemValue]] = [[] for _ in range(n)]
+    dies: list[list[MemValue]] = [[] for _ in range(n)]
+    extra: list[tuple[MemValue, ...]] = [() for _ in range(n)]
+    # A value fused into its consumer never occupies memory; the fusion runs when its
+    # consumer does, so the inputs it reads stay live until then. ``runs[i]``: the
+    # position at which node i's work happens.
+    stored = materialised_values(graph)
+    runs = list(range(n))
+    for i in range(n - 1, -1, -1):
+        node = nodes[i]
+        if node.outputs and not any(v in stored for v in node.outputs):
+            runs[i] = max(
+                (runs[pos[c]] for v in node.outputs for c in graph.consumers.get(v, ())),
+                default=i,
+            )
+    for i, node in enumerate(nodes):
+        for port, v in enumerate(node.outputs):
+            if v in skip or v not in stored:
+                continue
+            users = graph.consumers.get(v, ())  # nodes of this graph
+            end = n - 1 if v in out_values else max((runs[pos[c]] for c in users), default=i)
+            cat = "activations"
+            if node.phase == "backward" and any(nodes[pos[c]].phase == "optimizer" for c in users):
+                cat = "grads"
+            mv = MemValue(env.get(v), node.out_tensors[port], cat, f"{node.name_stack}:{port}")
+            born[i].append(mv)
+            dies[end].append(mv)
+        if node.primitive == "scan" and scan_ok(node):
+            body = node.body[0]
+            inner = _timeline(
+                coarse, body, scope + ((node.id, 0),), skip={b.value for b in body.inputs}
+            )
+            extra[i] = tuple(inner.peak_set())
+    return Timeline(tuple(map(tuple, born)), tuple(map(tuple, dies)), tuple(extra))
+
+
+def pick_moments(timeline: Timeline, k: int) -> list[int]:
+    """The ``k`` largest moments of the replicated profile, spread apart."""
+    if not len(timeline):
+        return []
+    totals = timeline.totals(lambda v: v.tensor.nbytes)
+    gap = max(1, len(totals) // 20)
+    picked: list[int] = []
+    for i in sorted(range(len(totals)), key=lambda i: -totals[i]):
+        if all(abs(i - j) >= gap for j in picked):
+            picked.append(i)
+        if len(picked) >= k:
+            break
+    return sorted(picked)
+
+
+def memory_constraint(bp: BuiltProblem, moment: int) -> MemoryConstraint:
+    """The linear memory constraint of one moment (persistent + live values)."""
+    constant = 0.0
+    terms: dict[int, list[float]] = {}
+    values = list(bp.persistent) + (bp.timeline.live_at(moment) if len(bp.timeline) else [])
+    cache: dict[tuple, list[float]] = {}
+    mesh = bp.ctx.mesh
+    for v in values:
+        if v.ref is None or v.ref.op not in bp.op_group:
+            continue  # constants: see value_bytes
+        g, pos = bp.op_group[v.ref.op]
+        group = bp.groups[g]
+        key = (id(group.strategies), pos, v.ref.port, v.ref.delta, v.tensor.nbytes)
+        per = cache.get(key)
+        if per is None:
+            per = cache[key] = [
+                v.tensor.nbytes / shards(pad(st[pos].outs[v.ref.port], v.ref.delta), mesh)
+                for st in group.strategies
+            ]
+        vec = terms.get(g)
+        if vec is None:
+            terms[g] = list(per)
+        else:
+            for s, b in enumerate(per):
+                vec[s] += b
+    # A term equal for every strategy is a constant.
+    out_terms = []
+    for g, vec in sorted(terms.items()):
+        lo = min(vec)
+        constant += lo
+        if max(vec) - lo > 0:
+            out_terms.append((g, tuple(b - lo for b in vec)))
+    return MemoryConstraint(f"moment {moment}", constant, tuple(out_terms))
+
+
+def value_bytes(bp: BuiltProblem, v: MemValue, choice: Sequence[int]) -> float:
+    """Bytes per device of one value under ``choice``."""
+    if v.ref is None or v.ref.op not in bp.op_group:
+        return 0.0  # constants: fused into their consumers, never materialised
+    return v.tensor.nbytes / shards(bp.spec(v.ref, choice), bp.ctx.mesh)
+
+
+def copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
+    """Bytes per device of resharded copies live at each top-level moment.
+
+    A value read in another layout is copied into it by a collective (all-gather,
+    all-to-all, permute: local slices are fused into the reader and copy nothing).
+    Readers of the same value in the same layout share one copy (XLA's CSE; the lowering
+    reuses it, :mod:`autopar.lower.order`), live from its first reader's moment to its
+    last's. Copies made inside loop bodies are left to the body's peak.
+    """
+    pos = {node.id: i for i, node in enumerate(bp.graph.nodes)}
+    spans: dict[tuple, list[float]] = {}  # key -> [first, last, bytes]
+    for op, k, ref, have, need in bp.resharded_reads(choice):
+        if op.kind != "node":
+            continue
+        top = op.node.id if not op.scope else op.scope[0][0]
+        if op.scope and ref.op in bp.op_group and bp.ops[ref.op].scope:
+            continue  # made and read inside a loop body
+        t = pos.get(top)
+        tensor = op.node.in_tensors[k]
+        if t is None or not bp.ctx.reshard(tensor.shape, tensor.dtype, have, need)[1]:
+            continue
+        nbytes = tensor.nbytes / shards(need, bp.ctx.mesh)
+        span = spans.setdefault((ref, have, need), [t, t, nbytes])
+        span[0], span[1] = min(span[0], t), max(span[1], t)
+    live = [0.0] * (len(bp.timeline) + 1)
+    for first, last, nbytes in spans.values():
+        live[int(first)] += nbytes
+        live[int(last) + 1] -= nbytes
+    running, out = 0.0, []
+    for d in live[:-1]:
+        running += d
+        out.append(running)
+    return out
+
+
+def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str, float]]:
+    """Exact peak bytes per device over every moment: (bytes, moment, breakdown).
+
+    Resharded copies (:func:`copies`) count as ``"resharded"``; the ILP's memory
+    constraints leave them out (they depend on two layouts at once); the planner re-solves
+    under a lower bound when they push a solution over
+    (:func:`autopar.search.intra_op.solve_within_memory`)."""
+    cache: dict[int, float] = {}
+
+    def size(v: MemValue) -> float:
+        b = cache.get(id(v))
+        if b is None:
+            b = cache[id(v)] = value_bytes(bp, v, choice)
+        return b
+
+    base: dict[str, float] = {}
+    for v in bp.persistent:
+        base[v.category] = base.get(v.category, 0.0) + size(v)
+    totals = bp.timeline.totals(size)
+    if not totals:
+        return sum(base.values()), 0, base
+    extra = copies(bp, choice)
+    totals = [a + b for a, b in zip(totals, extra, strict=True)]
+    t = max(range(len(totals)), key=totals.__getitem__)
+    bd = dict(base)
+    for v in bp.timeline.live_at(t):
+        bd[v.category] = bd.get(v.category, 0.0) + size(v)
+    if extra[t]:
+        bd["resharded"] = extra[t]
+    return sum(base.values()) + totals[t], t, bd
+
+
+__all__ = [
+    "ROLE_CATEGORY",
+    "Timeline",
+    "copies",
+    "liveness",
+    "memory_constraint",
+    "peak",
+    "pick_moments",
+    "value_bytes",
+]

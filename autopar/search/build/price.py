@@ -1,0 +1,326 @@
+"""Build stage 3, price: every group strategy and every read across groups in seconds.
+
+A group's strategy is its leader's strategy plus what each follower does with the layout
+it receives: its cost is the sum over its ops of the linear step time of the op's
+strategy (:func:`autopar.search.pricing.price_strategy`) times the op's executions, plus
+the reshards between ops inside the group. Reads across groups become
+``ProblemEdge``\\ s with a reshard cost (:func:`autopar.search.pricing.price_reshard`) per
+(producer layout, consumer layout) class pair. Gradient reductions pay their bandwidth in
+the strategy and their latency once per scope and device group, as a ``SharedCost``
+(XLA combines them). Every second comes from :mod:`autopar.search.pricing`, the same
+functions that price a solved choice, so the ILP's objective is the reported step time.
+
+The one term that is not a step time: ``replication_penalty_s``, which
+``evaluate_plan`` uses to complete a hand-written plan the way XLA's sharding
+propagation would; it is kept apart (``Priced.penalties``) and reported nowhere.
+
+Example:
+    >>> priced = price(coarse, catalog)                  # doctest: +SKIP
+    >>> len(priced.groups) == len(coarse.groups)          # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.search.build.catalog import StrategyCatalog
+from autopar.search.build.coarsen import Coarse
+from autopar.search.build.records import CombinedReduction, EdgeRef, Group, GroupShape, Op, pad
+from autopar.search.pricing import (
+    combined_linear_s,
+    feeds_state_update,
+    is_gradient_op,
+    price_reshard,
+    price_strategy,
+    reshard_linear_s,
+)
+from autopar.search.problem import ProblemEdge, SharedCost
+from autopar.search.sharding import Sharding, shards
+from autopar.search.strategies import OpStrategy
+
+_PROPAGATED = frozenset({"forward", "backward"})
+
+
+@dataclass(frozen=True)
+class Priced:
+    """What pricing hands on: the priced groups, the edges (``edges[i]`` is problem
+    edge ``i``; ``edge_refs[i]`` says which read it is), the shared costs, and which
+    input shapes count as parameters (gradient reductions are ops with those shapes)."""
+
+    groups: tuple[Group, ...]
+    edges: tuple[ProblemEdge, ...]
+    edge_refs: tuple[EdgeRef, ...]
+    shared: tuple[SharedCost, ...]
+    param_shapes: frozenset[tuple[int, ...]]
+
+
+def param_shapes(coarse: Coarse) -> frozenset[tuple[int, ...]]:
+    """Shapes of parameters and model state (and of one layer of a stacked one)."""
+    return frozenset(
+        shape
+        for gi in coarse.graph.inputs
+        if gi.role in ("param", "model_state")
+        for shape in (gi.tensor.shape, gi.tensor.shape[1:])
+    )
+
+
+def price(
+    coarse: Coarse, catalog: StrategyCatalog, *, replication_penalty_s: float = 0.0
+) -> Priced:
+    """Price every group and every read across groups (see the module docstring)."""
+    return _Pricer(coarse, catalog, replication_penalty_s).run()
+
+
+class _Pricer:
+    def __init__(self, coarse: Coarse, catalog: StrategyCatalog, penalty: float) -> None:
+        self.coarse = coarse
+        self.ops = coarse.ops
+        self.where = coarse.where
+        self.catalog = catalog
+        self.ctx = catalog.ctx
+        self.eta = float(self.ctx.cluster.overlap_efficiency)
+        self.penalty = float(penalty)
+        self.param_shapes = param_shapes(coarse)
+        self._grad: dict[int, bool] = {}
+        self._class_cache: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
+        self._matrix_cache: dict[tuple, tuple] = {}
+
+    def run(self) -> Priced:
+        groups = self._price_groups()
+        edges, refs = self._edges(groups)
+        return Priced(
+            tuple(groups), tuple(edges), tuple(refs), _shared_costs(groups, self.eta), self.param_shapes
+        )
+
+    # -- strategies ---------------------------------------------------------------------
+    def gradient(self, op: Op) -> bool:
+        hit = self._grad.get(op.index)
+        if hit is None:
+            hit = self._grad[op.index] = is_gradient_op(op, self.param_shapes)
+        return hit
+
+    def _leader_strategies(self, op: Op) -> list[OpStrategy]:
+        whole = self.coarse.whole(op.input.index) if op.input is not None else frozenset()
+        return self.catalog.leader_strategies(op, self.coarse.restrict.get(op.index), whole)
+
+    def _strategy_cost(self, op: Op, st: OpStrategy) -> tuple[float, tuple[CombinedReduction, ...]]:
+        """One execution's objective seconds (linear step time plus the completion
+        penalty, if any) and the combined reductions it joins."""
+        p = price_strategy(self.ctx, op, st, gradient=self.gradient(op))
+        return p.linear_s(self.eta) + self._penalty(op, st), p.combined
+
+    def _penalty(self, op: Op, st: OpStrategy) -> float:
+        if not self.penalty or op.kind != "node" or op.phase not in _PROPAGATED:
+            return 0.0
+        node = op.node
+        if any(t.shape in self.param_shapes for t in node.out_tensors):
+            return 0.0  # parameter-shaped work (casts, gradients) follows the state's layout
+        if node.flops > 0:
+            fraction = st.flops / node.flops
+        elif st.outs and node.out_tensors and node.out_tensors[0].ndim:
+            fraction = 1.0 / shards(st.outs[0], self.ctx.mesh)
+        else:
+            return 0.0
+        return self.penalty * fraction
+
+    def _reshard_s(self, op: Op, k: int, have: Sharding, need: Sharding, source: Op, into: bool) -> float:
+        t = op.node.in_tensors[k]
+        colls = price_reshard(self.ctx, t, have, need, source=source, into_state=into)
+        return reshard_linear_s(colls, self.eta)
+
+    # -- groups -------------------------------------------------------------------------
+    def _op_signature(self, op: Op) -> tuple:
+        if op.kind == "node":
+            return (
+                self.catalog.key(op),
+                tuple(sorted(self.coarse.restrict.get(op.index, {}).items())),
+            )
+        if op.kind in ("input", "output"):
+            specs = self.catalog.input_specs(op.input, self.coarse.whole(op.input.index))
+            return (op.kind, op.input.tensor, op.input.role, tuple(specs))
+        if op.kind == "constraint":
+            return (op.kind, op.node.in_tensors, op.node.params["spec"])
+        return (op.kind, op.node.in_tensors, op.node.out_tensors, op.node.params["lead"])
+
+    def _signature(self, g: GroupShape) -> tuple:
+        """Everything pricing a group depends on: equal signatures (the same block in
+        another layer) price identically, so they are priced once."""
+        sig: list = [self.ops[g.ops[0]].root_role, self.ops[g.ops[0]].scope]
+        for oi in g.ops:
+            op = self.ops[oi]
+            internal = tuple(
+                (k, self.where[ref.op][1], ref.port, ref.delta, self.ops[ref.op].weight)
+                for k, ref in enumerate(op.operands)
+                if ref is not None and self.where[ref.op][0] == g.index
+            )
+            sig.append(
+                (
+                    self._op_signature(op),
+                    op.weight,
+                    self.gradient(op),
+                    g.follow.get(oi),
+                    internal,
+                    op.phase if self.penalty else None,
+                )
+            )
+        return tuple(sig)
+
+    def _price_groups(self) -> list[Group]:
+        cache: dict[tuple, tuple] = {}
+        out = []
+        for g in self.coarse.groups:
+            sig = self._signature(g)
+            hit = cache.get(sig)
+            if hit is None:
+                hit = cache[sig] = self._price_group(g)
+            out.append(Group(g.index, g.ops, g.follow, *hit))
+        return out
+
+    def _price_group(self, g: GroupShape) -> tuple:
+        ops = [self.ops[oi] for oi in g.ops]
+        leader = ops[0]
+        pos_of = {oi: pos for pos, oi in enumerate(g.ops)}
+        # Per op: (operand k, producer position, port, delta, executions) of reads in the group.
+        internal = [
+            [
+                (k, pos_of[ref.op], ref.port, ref.delta, min(op.weight, self.ops[ref.op].weight))
+                for k, ref in enumerate(op.operands)
+                if ref is not None and self.where[ref.op][0] == g.index
+            ]
+            for op in ops
+        ]
+        mains = [None] + [
+            (g.follow[oi], pos_of[ops[p].operands[g.follow[oi]].op], ops[p].operands[g.follow[oi]])
+            for p, oi in enumerate(g.ops)
+            if p > 0
+        ]
+        memo: list[dict] = [{} for _ in ops]  # per follower: main layout -> (strategy, cost)
+        strategies, costs, computes, charges_all = [], [], [], []
+        for lead in self._leader_strategies(leader):
+            strats: list[OpStrategy] = [lead]
+            lead_cost, charges = self._strategy_cost(leader, lead)
+            cost = leader.weight * lead_cost
+            compute = leader.weight * lead.compute_s
+            for pos in range(1, len(ops)):
+                k, ppos, ref = mains[pos]
+                spec = strats[ppos].outs[ref.port]
+                hit = memo[pos].get(spec)
+                if hit is None:
+                    op = ops[pos]
+                    st = self.catalog.follow(op, k, pad(spec, ref.delta))
+                    op_cost, op_charges = self._strategy_cost(op, st)
+                    hit = memo[pos][spec] = (
+                        st,
+                        op.weight * op_cost,
+                        op.weight * st.compute_s,
+                        op_charges,
+                    )
+                strats.append(hit[0])
+                cost += hit[1]
+                compute += hit[2]
+                charges += hit[3]
+            # Reads inside the group: free when layouts agree, else a reshard.
+            for pos, reads in enumerate(internal):
+                st = strats[pos]
+                for k, ppos, port, delta, w in reads:
+                    need = st.ins[k] if k < len(st.ins) else None
+                    if need is None:
+                        continue
+                    have = pad(strats[ppos].outs[port], delta)
+                    if have != need:
+                        cost += w * self._reshard_s(ops[pos], k, have, need, leader, False)
+            strategies.append(tuple(strats))
+            costs.append(cost)
+            computes.append(compute)
+            charges_all.append(tuple(dict.fromkeys(charges)))
+        return tuple(strategies), tuple(costs), tuple(computes), tuple(charges_all)
+
+    # -- edges --------------------------------------------------------------------------
+    def _classes(self, key: tuple, layouts) -> tuple[tuple[int, ...], tuple]:
+        """Distinct layouts of one port over a group's strategies: (class per strategy,
+        the layouts). Groups priced once share strategy tuples, hence the cache by id."""
+        hit = self._class_cache.get(key)
+        if hit is None:
+            index: dict = {}
+            cls = tuple(index.setdefault(h, len(index)) for h in layouts())
+            hit = self._class_cache[key] = (cls, tuple(index))
+        return hit
+
+    def _edges(self, groups: Sequence[Group]) -> tuple[list[ProblemEdge], list[EdgeRef]]:
+        edges: list[ProblemEdge] = []
+        refs: list[EdgeRef] = []
+        where = self.where
+        for op in self.ops:
+            if op.index not in where:
+                continue  # a constant or a folded pin
+            gc, pc = where[op.index]
+            cons = groups[gc]
+            for k, ref in enumerate(op.operands):
+                if ref is None:
+                    continue
+                gp, pp = where[ref.op]
+                if gp == gc:
+                    continue
+                prod = groups[gp]
+                dst_cls, dst_keys = self._classes(
+                    ("in", id(cons.strategies), pc, k),
+                    lambda cons=cons, pc=pc, k=k: [
+                        s[pc].ins[k] if k < len(s[pc].ins) else None for s in cons.strategies
+                    ],
+                )
+                if all(n is None for n in dst_keys):
+                    continue
+                src_cls, src_keys = self._classes(
+                    ("out", id(prod.strategies), pp, ref.port, ref.delta),
+                    lambda prod=prod, pp=pp, ref=ref: [
+                        pad(s[pp].outs[ref.port], ref.delta) for s in prod.strategies
+                    ],
+                )
+                t = op.node.in_tensors[k]
+                w = min(op.weight, self.ops[ref.op].weight)
+                source = self.ops[prod.ops[0]]
+                into = feeds_state_update(op, self.ops[cons.ops[0]])
+                mkey = (t.shape, t.dtype, src_keys, dst_keys, w, source.root_role, into)
+                mat = self._matrix_cache.get(mkey)
+                if mat is None:
+                    mat = tuple(
+                        tuple(
+                            0.0 if n is None else w * self._reshard_s(op, k, h, n, source, into)
+                            for n in dst_keys
+                        )
+                        for h in src_keys
+                    )
+                    self._matrix_cache[mkey] = mat
+                refs.append(EdgeRef(op.index, k, ref, len(edges)))
+                edges.append(
+                    ProblemEdge(
+                        gp, gc, src_cls, dst_cls, mat, f"{self.ops[ref.op].name} -> {op.name}"
+                    )
+                )
+        return edges, refs
+
+
+def _shared_costs(groups: Sequence[Group], eta: float) -> tuple[SharedCost, ...]:
+    """One shared cost per combined gradient reduction: its latency, weighted like the
+    gradient reductions it merges, paid once if any member strategy is chosen."""
+    members: dict[CombinedReduction, dict[int, list[int]]] = {}
+    for gi, g in enumerate(groups):
+        for s, charges in enumerate(g.charges):
+            for ch in charges:
+                members.setdefault(ch, {}).setdefault(gi, []).append(s)
+    out = []
+    for r, by_group in members.items():
+        where = f" in scan {r.scope[-1][0]}" if r.scope else ""
+        out.append(
+            SharedCost(
+                f"combined {r.kind} over {','.join(r.axes)}{where}",
+                combined_linear_s(r, eta),
+                tuple((gi, tuple(ss)) for gi, ss in sorted(by_group.items())),
+            )
+        )
+    return tuple(out)
+
+
+__all__ = ["Priced", "param_shapes", "price"]

@@ -1,0 +1,188 @@
+"""Search level 2: one mesh's intra-operator solve.
+
+:func:`build_problem` builds the ILP of a graph on a mesh (:func:`autopar.search.ilp.build`)
+under the options; :func:`solve_within_memory` solves it and keeps the exact peak within
+the memory bound (lazy constraints); :func:`solve_mesh` does both and prices the
+solution. A pipeline stage partitioner calls :func:`solve_mesh` once per (layer range,
+sub-mesh) candidate.
+
+Example:
+    >>> r = solve_mesh(graph, cluster, {"data": 2, "tensor": 4}, SearchOptions(), 80e9)  # doctest: +SKIP
+    >>> r.solution.status                                                                # doctest: +SKIP
+    'optimal'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.axes import BATCH_AXES
+from autopar.options import SearchOptions
+from autopar.search.costs import CostContext
+from autopar.search.evaluate import Evaluation, decode
+from autopar.search.ilp import BuiltProblem, build
+from autopar.search.problem import ShardingSolution
+from autopar.search.solver import objective_lower_bound, solve
+from autopar.trace.graph import Graph
+
+_LAZY_MEMORY_ROUNDS = 6
+
+
+@dataclass
+class MeshResult:
+    """One mesh the outer loop looked at (kept for reports and benchmarks).
+
+    Attributes:
+        mesh: the mesh (problem axis names).
+        bound_s: a lower bound on its step time (:func:`step_lower_bound`).
+        built: its problem (with the memory constraints the solve ended with).
+        solution: the solver's answer.
+        evaluation: the solution priced (``None`` if there is none).
+        min_memory_bytes: the smallest footprint seen when nothing fit.
+        skipped: why it was not solved or not kept (empty if it was).
+        rename: problem axis -> plan axis name, once roles are known.
+        time_limit_s: the solver time limit it got.
+    """
+
+    mesh: dict[str, int]
+    bound_s: float
+    built: BuiltProblem | None = None
+    solution: ShardingSolution | None = None
+    evaluation: Evaluation | None = None
+    min_memory_bytes: float | None = None
+    skipped: str = ""
+    rename: dict[str, str] | None = None
+    time_limit_s: float = 0.0
+
+
+def _input_axes(
+    graph: Graph, mesh: Mapping[str, int], options: SearchOptions
+) -> dict[int, list[str]]:
+    """Axes each input may use when ``options.zero_stage`` is fixed."""
+    if options.zero_stage is None or options.zero_stage == 3:
+        return {}
+    data = [a for a in mesh if a in BATCH_AXES]
+    other = [a for a in mesh if a not in data]
+    out: dict[int, list[str]] = {}
+    for gi in graph.inputs:
+        if gi.role == "param" or (gi.role == "opt_state" and options.zero_stage == 0):
+            out[gi.index] = other
+    return out
+
+
+def build_problem(
+    graph: Graph,
+    cluster: Any,
+    mesh: Mapping[str, int],
+    options: SearchOptions,
+    memory_limit: float | None,
+) -> BuiltProblem:
+    """The :class:`BuiltProblem` of ``graph`` on ``mesh`` under ``options``."""
+    ctx = CostContext(cluster, mesh)
+    return build(
+        graph,
+        ctx,
+        input_axes=_input_axes(graph, mesh, options),
+        tie_optimizer_state=options.zero_stage not in (1, 2),
+        coarsen_groups=options.coarsen,
+        memory_limit=memory_limit,
+    )
+
+
+def solve_within_memory(
+    bp: BuiltProblem,
+    limit: float | None,
+    time_limit_s: float,
+    backend: str = "cpsat",
+    peaks: list[float] | None = None,
+) -> tuple[BuiltProblem, ShardingSolution]:
+    """Solve, then check the exact peak over every moment; add the moment that breaks the
+    bound as a constraint and re-solve (lazy constraint generation). A peak over the bound
+    at a moment already constrained is over by resharded copies, which the constraints
+    leave out (``BuiltProblem.peak``): the bound is lowered by the excess and the problem
+    re-solved. The last solution may still not fit (the caller checks ``peak``). ``peaks``
+    (if a list) receives the peak of every solution looked at."""
+    sol = solve(bp.problem, time_limit_s, backend=backend)
+    for _ in range(_LAZY_MEMORY_ROUNDS):
+        if not sol.ok or limit is None:
+            return bp, sol
+        peak, moment, _ = bp.peak(sol.choice)
+        if peaks is not None:
+            peaks.append(peak)
+        if peak <= limit * (1 + 1e-9):
+            return bp, sol
+        if moment in bp.moments:
+            if bp.problem.memory_limit is None:
+                return bp, sol
+            tighter = bp.with_memory_limit(bp.problem.memory_limit - (peak - limit))
+            again = solve(tighter.problem, time_limit_s, backend=backend)
+            if not again.ok:
+                return bp, sol
+            bp, sol = tighter, again
+        else:
+            bp = bp.with_moments([*bp.moments, moment])
+            sol = solve(bp.problem, time_limit_s, backend=backend)
+    return bp, sol
+
+
+def step_lower_bound(bp: BuiltProblem) -> float:
+    """A lower bound on the step time on this mesh: the solver's presolve bound (edge
+    minima moved onto the nodes, dominated strategies dropped, every node at its cheapest
+    strategy). The objective *is* the step time, so it bounds that directly."""
+    return objective_lower_bound(bp.problem)
+
+
+def solve_mesh(
+    graph: Graph,
+    cluster: Any,
+    mesh: Mapping[str, int],
+    options: SearchOptions,
+    memory_limit: float,
+    *,
+    time_limit_s: float | None = None,
+    built: BuiltProblem | None = None,
+) -> MeshResult:
+    """Solve the intra-op problem of ``graph`` on one mesh under a memory bound.
+
+    The entry a stage partitioner calls for a layer range on a sub-mesh: give it the
+    stage's graph and the sub-mesh. The result holds the solution, its evaluation
+    (priced by :mod:`autopar.search.pricing`, so ``evaluation.step_time_s`` equals the
+    solver's objective) or why there is none (``skipped``, ``min_memory_bytes``).
+
+    Example:
+        >>> r = solve_mesh(graph, cluster, {"data": 8}, SearchOptions(), 80e9)  # doctest: +SKIP
+        >>> r.evaluation.step_time_s == r.solution.objective                     # doctest: +SKIP
+        True
+    """
+    bp = built if built is not None else build_problem(graph, cluster, mesh, options, memory_limit)
+    r = MeshResult(dict(mesh), step_lower_bound(bp), bp)
+    r.time_limit_s = options.solver_time_limit_s if time_limit_s is None else time_limit_s
+    peaks: list[float] = []
+    r.built, r.solution = solve_within_memory(r.built, memory_limit, r.time_limit_s, peaks=peaks)
+    if not r.solution.ok:
+        if r.solution.status == "infeasible":
+            low = solve(r.built.problem, r.time_limit_s, minimize="memory")
+            if low.ok:
+                peaks.append(r.built.peak(low.choice)[0])
+        # The smallest footprint seen: the memory-minimal choice of the constraints, or an
+        # earlier solution (resharded copies are outside the constraints).
+        r.min_memory_bytes = min(peaks, default=None)
+        return r
+    r.evaluation = decode(
+        r.built, r.solution.choice, status=r.solution.status, memory_limit=memory_limit
+    )
+    if not r.evaluation.fits:
+        r.min_memory_bytes = min(peaks, default=r.evaluation.memory_bytes_per_device)
+        r.skipped = "rejected: its peak (with resharded copies) is over the memory bound"
+    return r
+
+
+__all__ = [
+    "MeshResult",
+    "build_problem",
+    "solve_mesh",
+    "solve_within_memory",
+    "step_lower_bound",
+]
