@@ -38,7 +38,9 @@ def _gather_plan(graph, specs=(("d", None), ("d", None), (None, None))) -> Plan:
     return Plan(
         mesh={"d": 8},
         inputs=tuple(
-            TensorSharding(n, graph.inputs[i].tensor.shape, "float32", s, "other" if n == "x" else "param")
+            TensorSharding(
+                n, graph.inputs[i].tensor.shape, "float32", s, "other" if n == "x" else "param"
+            )
             for i, (n, s) in enumerate(zip(names, specs, strict=True))
         ),
         outputs=(TensorSharding("out", (8, N), "float32", (None, None), "other"),),

@@ -46,13 +46,19 @@ def _options(model: str, shape) -> SearchOptions:
     return SearchOptions(mesh=mesh_for(shape, kind))
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "open" if s is None else "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", SHAPES, ids=lambda s: "open" if s is None else "x".join(map(str, s))
+)
 @pytest.mark.parametrize("model", MODELS)
 def test_objective_is_the_reported_step_time(model, shape):
     graph = _graph(model)
     results: list = []
     plan = plan_graph(graph, EIGHT, _options(model, shape), results=results)
-    won = [r for r in results if r.evaluation is not None and r.evaluation.step_time_s == plan.predicted.step_time_s]
+    won = [
+        r
+        for r in results
+        if r.evaluation is not None and r.evaluation.step_time_s == plan.predicted.step_time_s
+    ]
     assert won, "no mesh result carries the plan's step time"
     objective = won[0].solution.objective
     assert plan.predicted.step_time_s == pytest.approx(objective, rel=REL)

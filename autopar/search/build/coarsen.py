@@ -163,7 +163,9 @@ def coarsen(
             where[op.index] = (len(members), 0)
             members.append([op.index])
             follows.append({})
-    groups = [GroupShape(i, tuple(m), f) for i, (m, f) in enumerate(zip(members, follows, strict=True))]
+    groups = [
+        GroupShape(i, tuple(m), f) for i, (m, f) in enumerate(zip(members, follows, strict=True))
+    ]
     # Reads of constants are free: drop them; a scan-body input's role is the role of the
     # graph input its group starts from.
     out: list[Op] = []
@@ -312,7 +314,12 @@ def tie_layers(
                     if ra is None or rb is None:
                         continue
                     ia, ib = ops[ra.op], ops[rb.op]
-                    if ia.kind == "input" and ib.kind == "input" and ia.index in where and ib.index in where:
+                    if (
+                        ia.kind == "input"
+                        and ib.kind == "input"
+                        and ia.index in where
+                        and ib.index in where
+                    ):
                         gia, gib = where[ia.index][0], where[ib.index][0]
                         if gia != gib and same_layouts(groups[gia], groups[gib]):
                             ties.append((gia, gib))

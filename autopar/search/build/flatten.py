@@ -80,7 +80,9 @@ def scan_ok(node: Node) -> bool:
     )
 
 
-def flatten(graph: Graph, constraints: Mapping[tuple[Scope, int, int], Sharding] | None = None) -> Flat:
+def flatten(
+    graph: Graph, constraints: Mapping[tuple[Scope, int, int], Sharding] | None = None
+) -> Flat:
     """Flatten ``graph`` (``constraints``: ``(scope, node id, output)`` -> pinned layout)."""
     return _Flattener(graph, dict(constraints or {})).run()
 

@@ -89,7 +89,9 @@ def liveness(coarse: Coarse) -> tuple[tuple[MemValue, ...], Timeline]:
     """The persistent values (inputs) and the timeline of everything else."""
     g = coarse.graph
     persistent = tuple(
-        MemValue(Ref(coarse.flat.input_ops[gi.index], 0), gi.tensor, ROLE_CATEGORY[gi.role], gi.path)
+        MemValue(
+            Ref(coarse.flat.input_ops[gi.index], 0), gi.tensor, ROLE_CATEGORY[gi.role], gi.path
+        )
         for gi in g.inputs
     )
     donated = {

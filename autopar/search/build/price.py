@@ -91,7 +91,11 @@ class _Pricer:
         groups = self._price_groups()
         edges, refs = self._edges(groups)
         return Priced(
-            tuple(groups), tuple(edges), tuple(refs), _shared_costs(groups, self.eta), self.param_shapes
+            tuple(groups),
+            tuple(edges),
+            tuple(refs),
+            _shared_costs(groups, self.eta),
+            self.param_shapes,
         )
 
     # -- strategies ---------------------------------------------------------------------
@@ -125,7 +129,9 @@ class _Pricer:
             return 0.0
         return self.penalty * fraction
 
-    def _reshard_s(self, op: Op, k: int, have: Sharding, need: Sharding, source: Op, into: bool) -> float:
+    def _reshard_s(
+        self, op: Op, k: int, have: Sharding, need: Sharding, source: Op, into: bool
+    ) -> float:
         t = op.node.in_tensors[k]
         colls = price_reshard(self.ctx, t, have, need, source=source, into_state=into)
         return reshard_linear_s(colls, self.eta)
