@@ -408,8 +408,12 @@ class _Cutter:
             if k in free:
                 continue
             bwd = n.phase == "backward"
-            if k in split:
+            if k in split:  # runs on every stage; what follows it is on its last one
                 pos[k] = _SPLIT
+                if bwd:
+                    last_b = 0
+                else:
+                    last_f = p - 1
                 continue
             if n.layer is not None and n.layer in self.layer_stage:
                 s = self.layer_stage[n.layer]
@@ -506,7 +510,7 @@ class _Cutter:
         for v, k in stacked.items():
             if v in self.invar_index:
                 stacked_inputs.add(self.invar_index[v])
-            elif v in self.producer and self.producer[v] != k:
+            elif v in self.producer and self.producer[v] not in self.split:
                 src = self.producer[v]
                 raise LowerPlanError(
                     f"value {v} ({v.aval.str_short()}), made by equation {src} "
@@ -553,8 +557,8 @@ class _Cutter:
             if v in self.invar_index:
                 piece_inputs[b].add(self.invar_index[v])
                 return
-            src = self.producer[v]
-            if src in self.free:
+            src = self.producer.get(v)
+            if src is not None and src in self.free:
                 needs_free[b].add(src)
                 return
             if v in stacked and made_at.get(v) == _SPLIT:
