@@ -8,8 +8,13 @@ back (:class:`BuiltProblem`). Every cost in the problem comes from
 :func:`autopar.search.pricing.price_choice` reports for ``choice``.
 
 Example:
-    >>> bp = build(graph, CostContext(cluster, {"data": 8}))     # doctest: +SKIP
-    >>> bp.problem.size["nodes"] == len(bp.groups)               # doctest: +SKIP
+    >>> import math
+    >>> from autopar.search.pricing import price_choice
+    >>> bp = build(graph, CostContext(cluster, {"data": 8}))
+    >>> len(bp.ops), bp.problem.size["nodes"] == len(bp.groups) < len(bp.ops)
+    (139, True)
+    >>> choice = [0] * len(bp.groups)   # the first strategy of every group
+    >>> math.isclose(bp.problem.objective(choice), price_choice(bp, choice).step_time_s)
     True
 """
 
@@ -261,7 +266,8 @@ class ProblemBuilder:
     """:func:`build` with its arguments held (kept for callers of the class form).
 
     Example:
-        >>> ProblemBuilder(graph, ctx).build() is not None       # doctest: +SKIP
+        >>> ctx = CostContext(cluster, {"data": 8})
+        >>> ProblemBuilder(graph, ctx).build().problem.size == build(graph, ctx).problem.size
         True
     """
 

@@ -56,9 +56,20 @@ def expert_dims(graph: Graph) -> dict[int, int]:
     (``moe``/``expert``) and it has a leading dim beyond a matrix's two (after the layer
     dim of a scanned stack). Optimizer state inherits its parameter's.
 
-    Example:
-        >>> expert_dims(trace(moe_step, state, batch))          # doctest: +SKIP
-        {1: 0, 2: 0}
+    Example: an expert weight ``[experts, in, out]`` read by a per-expert matmul.
+
+        >>> def sgd_step(params, x):
+        ...     def loss(p):
+        ...         h = jnp.einsum("egm,emh->egh", x, p["moe"]["wi"])
+        ...         return (h @ p["dense"]).sum()
+        ...     grads = jax.grad(loss)(params)
+        ...     return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+        >>> params = {"dense": jnp.ones((16, 16)), "moe": {"wi": jnp.ones((4, 8, 16))}}
+        >>> g = autopar.trace(sgd_step, params, jnp.ones((4, 32, 8)))
+        >>> [gi.path for gi in g.inputs]
+        ['params/dense', 'params/moe/wi', 'x']
+        >>> expert_dims(g), expert_dims(graph)   # the dense MLP has none
+        ({1: 0}, {})
     """
     stacked = _scanned_inputs(graph)
     shapes: dict[tuple[int, ...], list[tuple[int, int]]] = {}
@@ -122,8 +133,10 @@ def offered_axes(graph: Graph | None, num_devices: int, options: SearchOptions) 
     offered.
 
     Example:
-        >>> offered_axes(dense_gpt_graph, 8, SearchOptions())      # doctest: +SKIP
+        >>> offered_axes(graph, 8, SearchOptions())   # the dense MLP, a batch of 64
         ('data', 'tensor')
+        >>> offered_axes(graph, 8, SearchOptions(axes=("data", "fsdp", "pipe")))
+        ('data', 'fsdp')
     """
     if options.axes is not None:  # the user listed axes: offer exactly those
         requested = tuple(a for a in options.axes if AXES[a].splits != "stages")

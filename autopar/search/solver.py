@@ -49,9 +49,19 @@ these models they spend seconds (probing adds millions of binary clauses) for no
 
 The reported objective is recomputed exactly from the choice in seconds.
 
-Example:
-    >>> solve(problem, time_limit_s=10).choice        # doctest: +SKIP
-    (0, 0, 1)
+Example: a chain ``a -> b -> c`` of two strategies each; a layout change costs 5 on the
+first edge and 0.5 on the second, so ``a`` takes its dearer strategy to agree with ``b``.
+
+    >>> from autopar.search.problem import ProblemEdge, ProblemNode
+    >>> problem = ShardingProblem(
+    ...     nodes=(ProblemNode("a", (1.0, 2.0)), ProblemNode("b", (2.0, 1.0)),
+    ...            ProblemNode("c", (3.0, 1.0))),
+    ...     edges=(ProblemEdge(0, 1, (0, 1), (0, 1), ((0.0, 5.0), (5.0, 0.0))),
+    ...            ProblemEdge(1, 2, (0, 1), (0, 1), ((0.0, 0.5), (0.5, 0.0)))),
+    ... )
+    >>> sol = solve(problem, time_limit_s=10)
+    >>> sol.choice, sol.status, sol.objective
+    ((1, 1, 1), 'optimal', 4.0)
 """
 
 from __future__ import annotations

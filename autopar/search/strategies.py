@@ -12,10 +12,19 @@ reduce-scatter). Two entry points:
   broadcasts, ...). Coarsening merges such operations into the group of the operation
   they follow, so they add no choice of their own.
 
-Example:
-    >>> strategies = enumerate_strategies(dot_node, ctx)          # doctest: +SKIP
-    >>> [s.name for s in strategies][:2]                          # doctest: +SKIP
-    ['R', 'm0=data']
+Example: a ``[64, 256] @ [256, 1024]`` matmul on a 2 x 4 mesh (``m``: a free dim of the
+left operand, ``n``: of the right one, ``k``: contracted, its partial sums resolved by an
+all-reduce ``AR`` or a reduce-scatter ``RS``).
+
+    >>> from cost_models import Cluster
+    >>> g = autopar.trace(lambda x, w: x @ w, jnp.ones((64, 256)), jnp.ones((256, 1024)))
+    >>> ctx = CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 2, "tensor": 4})
+    >>> strategies = enumerate_strategies(g.nodes[0], ctx)
+    >>> len(strategies), [s.name for s in strategies][:4]
+    (28, ['R', 'm0=tensor', 'n1=tensor', 'k1=tensor AR(tensor)'])
+    >>> best = min(strategies, key=lambda s: s.cost_s)
+    >>> best.name, best.ins, best.outs
+    ('n1=data+tensor', (((), ()), ((), ('data', 'tensor'))), (((), ('data', 'tensor')),))
 """
 
 from __future__ import annotations
@@ -356,9 +365,15 @@ def follow_strategy(
     ``fusion.hbm_io``); by default all do.
 
     Example:
-        >>> s = follow_strategy(reduce_sum_node, 0, (("data",), ()), ctx)   # doctest: +SKIP
-        >>> s.outs, [c.kind for c in s.comm]                               # doctest: +SKIP
+        >>> from cost_models import Cluster
+        >>> ctx = CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 2, "tensor": 4})
+        >>> row_sum = autopar.trace(lambda x: x.sum(1), jnp.ones((64, 256))).nodes[0]
+        >>> s = follow_strategy(row_sum, 0, (("data",), ()), ctx)   # rows split: local sums
+        >>> s.outs[0], [c.kind for c in s.comm]
         ((('data',),), [])
+        >>> s = follow_strategy(row_sum, 0, ((), ("tensor",)), ctx)  # summed dim split
+        >>> s.outs[0], [(c.kind, c.axes) for c in s.comm]
+        (((),), [('all-reduce', ('tensor',))])
     """
     rule = sharding_rule(node.primitive)
     ins, outs, reduce_axes = _RULES[rule](node, operand, spec, ctx.mesh)
@@ -727,8 +742,14 @@ def enumerate_strategies(node: Node, ctx: CostContext, io: IO | None = None) -> 
     operations only) says which operands and results touch HBM.
 
     Example:
-        >>> len(enumerate_strategies(matmul_node, ctx)) > 1     # doctest: +SKIP
-        True
+        >>> from cost_models import Cluster
+        >>> ctx = CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 8})
+        >>> g = autopar.trace(lambda x, w: jnp.linalg.cholesky(x @ w),
+        ...                   jnp.ones((64, 256)), jnp.ones((256, 64)))
+        >>> [s.name for s in enumerate_strategies(g.nodes[0], ctx)]   # the matmul
+        ['R', 'm0=data', 'n1=data', 'k1=data AR(data)', 'k1=data RS(data->0)', 'k1=data RS(data->1)']
+        >>> g.nodes[4].primitive, [s.name for s in enumerate_strategies(g.nodes[4], ctx)]
+        ('cholesky', ['R'])
     """
     rule = sharding_rule(node.primitive)
     if not node.out_tensors:

@@ -7,9 +7,19 @@ ZeRO stage is read off the layouts, and every activation the ILP priced is pinne
 (:func:`~autopar.search.evaluate.pinned_activations`). The prediction is the solution's
 evaluation, whose step time is the solver's objective.
 
-Example:
-    >>> plan = write_plan(result, graph, cluster, memory_limit=80e9)   # doctest: +SKIP
-    >>> plan.predicted.step_time_s == result.solution.objective        # doctest: +SKIP
+Example: the placeholder axis ``data`` (size 2) ends up splitting weights only, so it
+is renamed ``tensor``, and the other one ``data``.
+
+    >>> import math
+    >>> from autopar.search.intra_op import solve_mesh
+    >>> result = solve_mesh(graph, cluster, {"data": 2, "tensor": 4}, SearchOptions(), 80e9)
+    >>> result.rename = role_names(result.built, result.solution.choice, ("data", "tensor"))
+    >>> result.rename
+    {'data': 'tensor', 'tensor': 'data'}
+    >>> plan = write_plan(result, graph, cluster, memory_limit=80e9)
+    >>> plan.mesh, plan.layers[0].ops, plan.input("state/params/layer_0/w").spec
+    ({'tensor': 2, 'data': 4}, (('dot_general', 'column(tensor)'),), (None, 'tensor'))
+    >>> math.isclose(plan.predicted.step_time_s, result.solution.objective)
     True
 """
 

@@ -5,10 +5,16 @@ producer can make a layout, pricing asks for every leader's strategies and for t
 strategy a follower takes. Identical equations (the same matmul in 96 identical layers)
 share one enumeration (:func:`struct_key`).
 
-Example:
-    >>> cat = StrategyCatalog(CostContext(cluster, {"data": 8}))   # doctest: +SKIP
-    >>> [st.name for st in cat.leader_strategies(matmul_op)][:2]   # doctest: +SKIP
-    ['R', 'm0=data']
+Example: the first matmul of the MLP train step on 8 devices.
+
+    >>> from autopar.search.build.flatten import flatten
+    >>> cat = StrategyCatalog(CostContext(cluster, {"data": 8}))
+    >>> ops = flatten(graph).ops
+    >>> matmul = next(op for op in ops if op.kind == "node" and op.node.primitive == "dot_general")
+    >>> [st.name for st in cat.leader_strategies(matmul)]
+    ['R', 'm0=data', 'n1=data', 'k1=data AR(data)', 'k1=data RS(data->0)', 'k1=data RS(data->1)']
+    >>> cat.leader_strategies(matmul) is cat.leader_strategies(matmul)   # enumerated once
+    True
 """
 
 from __future__ import annotations

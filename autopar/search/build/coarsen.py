@@ -17,9 +17,17 @@
   become one alias set. :func:`tie_layers` (run on priced groups) ties structurally
   identical unrolled layers, so the solver decides one layer.
 
-Example:
-    >>> coarse = coarsen(flatten(graph), StrategyCatalog(ctx))   # doctest: +SKIP
-    >>> len(coarse.groups) < len(coarse.ops)                     # doctest: +SKIP
+Example: the MLP train step on 8 devices; ``state/params/layer_0/w`` (input 10) and its
+Adam moments ``mu`` and ``nu`` (inputs 2 and 6) take one layout.
+
+    >>> from autopar.search.build.flatten import flatten
+    >>> from autopar.search.costs import CostContext
+    >>> coarse = coarsen(flatten(graph), StrategyCatalog(CostContext(cluster, {"data": 8})))
+    >>> len(coarse.ops), len(coarse.groups)
+    (139, 43)
+    >>> graph.inputs[10].path, match_optimizer_state(graph)[10]
+    ('state/params/layer_0/w', [2, 6])
+    >>> coarse.family[2] == coarse.family[6] == 10
     True
 """
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from autopar.primitives import select
 from autopar.search.build.catalog import StrategyCatalog
 from autopar.search.build.flatten import Flat
 from autopar.search.build.records import Group, GroupShape, Op, Ref, Scope
@@ -100,17 +109,30 @@ def match_optimizer_state(graph: Graph) -> dict[int, list[int]]:
     return out
 
 
+# Operands whose layout says little about an op's (:func:`main_operand` prefers any other):
+# constants, and the results of the families the primitives table shards by the
+# ``broadcast`` and ``source`` rules (``broadcast_in_dim``, ``iota``).
+_WEAK_PRIMITIVES: frozenset[str] = select(sharding=("broadcast", "source"))
+
+
 def _weak(ops: Sequence[Op], ref: Ref) -> bool:
     op = ops[ref.op]
     if not op.depends:
         return True
-    return op.kind == "node" and op.node.primitive in ("broadcast_in_dim", "iota")
+    return op.kind == "node" and op.node.primitive in _WEAK_PRIMITIVES
 
 
 def main_operand(ops: Sequence[Op], op: Op, coarsen: bool = True) -> int | None:
     """The operand ``op`` takes its layout from, or ``None`` (``op`` leads a group).
 
-    Constants (ops that read no graph input) are never followed: they get no group."""
+    Constants (ops that read no graph input) are never followed: they get no group. Of
+    the others it prefers, in this order, one that is not a broadcast or a generated
+    value (``iota``), the highest rank, the largest size, a non-boolean one, the first.
+
+    Example:
+        >>> sorted(_WEAK_PRIMITIVES)   # the primitives whose results it follows last
+        ['broadcast_in_dim', 'iota']
+    """
     if not coarsen:
         return None
     if op.kind == "body_input":
