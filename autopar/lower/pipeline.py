@@ -63,6 +63,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -104,7 +105,10 @@ class Piece:
         stash: values this stage keeps from its forward to its backward piece (written by
             the forward piece, read by the backward piece).
         inputs: indices of ``G``'s flat inputs it reads.
-        outputs: indices of ``G``'s flat outputs it produces.
+        outputs: ``(output index, value)`` pairs: the parts of ``G``'s flat outputs it
+            produces (an output that is a sum of contributions made on several stages,
+            like a tied embedding's gradient, has one part per contribution; the parts
+            are accumulated where they are made and added at the end).
     """
 
     kind: Literal["forward", "backward"]
@@ -115,7 +119,7 @@ class Piece:
     send: tuple[Var, ...]
     stash: tuple[Var, ...]
     inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
+    outputs: tuple[tuple[int, Var], ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -401,11 +405,20 @@ class _Cutter:
                 )
         self.n_local = {k: length // p for k, (_, length) in split.items()}
 
+        # An output that is a sum (``add_any`` of gradient contributions: a tied
+        # embedding's input and output uses) is accumulated part by part where each part
+        # is made; the final sum over ``pipe`` adds them. Sending a part along the chain
+        # instead would move a whole gradient through every stage for every microbatch.
+        uses = Counter(a for e in self.eqns for a in e.invars if isinstance(a, Var))
+        uses.update(v for v in self.jaxpr.outvars if isinstance(v, Var))
+        self.folded: set[int] = set()
+        self.out_parts = [self._parts(v, uses) for v in self.jaxpr.outvars]
+
         # initial positions
         pos: dict[int, int] = {}
         last_f, last_b = 0, p - 1
         for k, n in enumerate(nodes):
-            if k in free:
+            if k in free or k in self.folded:
                 continue
             bwd = n.phase == "backward"
             if k in split:  # runs on every stage; what follows it is on its last one
@@ -426,7 +439,7 @@ class _Cutter:
             pos[k] = (2 * p - 1 - s) if bwd else s
         # a reader never runs before the writer: move readers later
         for k in range(len(self.eqns)):
-            if k in free or pos[k] == _SPLIT:
+            if k in free or k in self.folded or pos[k] == _SPLIT:
                 continue
             for a in self.eqns[k].invars:
                 src = producer.get(a) if isinstance(a, Var) else None
@@ -435,6 +448,24 @@ class _Cutter:
                 pos[k] = max(pos[k], self._out_position(src, a, pos))
         self.pos = pos
         return self._build()
+
+    def _parts(self, v: Any, uses: Counter) -> list[Any]:
+        k = self.producer.get(v) if isinstance(v, Var) else None
+        if k is None or k in self.free or uses[v] != 1:
+            return [v]
+        e = self.eqns[k]
+        if e.primitive.name not in ("add_any", "add") or any(
+            not isinstance(a, Var)
+            or a.aval.shape != v.aval.shape
+            or a.aval.dtype != v.aval.dtype
+            or self.producer.get(a) is None
+            or self.producer[a] in self.free
+            or self.producer[a] in self.split
+            for a in e.invars
+        ):
+            return [v]
+        self.folded.add(k)
+        return [w for a in e.invars for w in self._parts(a, uses)]
 
     def _scan_positions(self, k: int) -> list[int]:
         """Chain positions of the per-stage parts of split scan ``k`` in run order."""
@@ -465,7 +496,7 @@ class _Cutter:
         stacked: dict[Var, int] = {}  # stacked value -> split-scan eqn that defines its layout
         local_avals: dict[Var, Any] = {}
         for k, e in enumerate(eqns):
-            if k in self.free:
+            if k in self.free or k in self.folded:
                 continue
             if self.pos[k] != _SPLIT:
                 piece_eqns[self.pos[k]].append(e)
@@ -573,9 +604,9 @@ class _Cutter:
             for e in piece_eqns[q]:
                 for a in e.invars:
                     need(a, q, f"{e.primitive}")
-        out_pos: dict[int, int] = {}
+        out_pos: list[tuple[int, Var, int]] = []  # (output, part, position)
         stacked_outputs = []
-        for i, v in enumerate(self.jaxpr.outvars):
+        for i, v in ((i, v) for i, parts in enumerate(self.out_parts) for v in parts):
             if isinstance(v, JaxLiteral) or v in self.invar_index or v not in self.producer:
                 raise LowerPlanError(
                     f"output {i} of the step is an input or a constant; the pipeline sums "
@@ -589,9 +620,7 @@ class _Cutter:
                 )
             if made_at[v] == _SPLIT:
                 stacked_outputs.append(i)
-                out_pos[i] = _SPLIT
-            else:
-                out_pos[i] = made_at[v]
+            out_pos.append((i, v, made_at[v]))
         for v in stacked:
             if made_at.get(v) == _SPLIT:
                 # stacked outputs must stay stage-local: read by split scans or returned
@@ -632,12 +661,9 @@ class _Cutter:
             recv = () if q in (0, p) else tuple(boundary[q - 1])
             send = () if q in (p - 1, n_pos - 1) else tuple(boundary[q])
             outs = tuple(
-                i
-                for i, oq in out_pos.items()
-                if oq == q
-                or (
-                    oq == _SPLIT and q in self._scan_positions(self.producer[self.jaxpr.outvars[i]])
-                )
+                (i, v)
+                for i, v, oq in out_pos
+                if oq == q or (oq == _SPLIT and q in self._scan_positions(self.producer[v]))
             )
             pieces.append(
                 Piece(
@@ -980,11 +1006,14 @@ def _pipeline_body(
                 sout = s_layout.pack(s, [env[v] for v in pc.stash])
             elif s > 0:
                 bsend = b_layout.pack(s - 1, [env[v] for v in pc.send])
+            parts: dict[int, list[Any]] = defaultdict(list)
+            for i, v in pc.outputs:
+                parts[i].append(jnp.asarray(env[v], out_avals[i].dtype))
             contrib = tuple(
-                jnp.asarray(env[v], a.dtype).reshape(a.shape)
-                if i in pc.outputs
+                functools.reduce(jnp.add, parts[i]).reshape(a.shape)
+                if parts.get(i)
                 else jnp.zeros(a.shape, a.dtype)
-                for i, (v, a) in enumerate(zip(jaxpr.outvars, out_avals, strict=True))
+                for i, a in enumerate(out_avals)
             )
             return fsend, bsend, sout, contrib
 

@@ -271,8 +271,17 @@ def test_cut_places_embedding_on_first_and_head_on_last_stage():
     assert any("wte" in n for n in f0) and any("h_1" in n for n in f0)
     assert any("ln_f" in n for n in f1) and not any("h_1" in n for n in f1)
     assert any("h_0" in n for n in {str(e.source_info.name_stack) for e in cut.backward(0).eqns})
-    # one activation crosses each forward boundary
+    # one activation crosses each boundary forward, one cotangent backward: the tied
+    # embedding's gradient is accumulated on both stages (not sent from the head's stage)
     assert len(first.send) == 1 and first.send[0].aval.shape == (4, 32, 64)
+    assert len(cut.backward(1).send) == 1 and cut.backward(1).send[0].aval.shape == (4, 32, 64)
+    wte = [
+        i
+        for i, pc_ in enumerate(cut.pieces)
+        for o, _ in pc_.outputs
+        if o == len(cut.jaxpr.jaxpr.outvars) - 1
+    ]
+    assert sorted(wte) == [2, 3]  # B1 (head) and B0 (embedding) both hold a part
     assert "stage 0" in cut.describe()
 
 
