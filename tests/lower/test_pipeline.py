@@ -321,3 +321,11 @@ def test_pipeline_rejects_mesh_mismatch():
         pipelined_gradients(cut, "gpipe", 4, make_mesh({"data": 8}))
     with pytest.raises(LowerPlanError, match="virtual_stages"):
         pipelined_gradients(cut, "gpipe", 4, make_mesh({"pipe": 2, "data": 4}), 2)
+
+
+def test_pipeline_rejects_a_batch_that_is_not_m_microbatches():
+    cut = _cut("mlp", 8, 2, 4)  # traced on microbatches of BATCH // 4 rows
+    run = pipelined_gradients(cut, "gpipe", 2, make_mesh({"pipe": 2, "data": 4}))
+    _, ws, batch = _mlp(8)
+    with pytest.raises(LowerPlanError, match="one microbatch"):
+        run(ws, batch)
