@@ -37,7 +37,7 @@ Columns of :class:`PrimitiveFamily`:
   reads a fused operand without that operand being stored (fusible ops, and reductions,
   the roots of their fusions); ``expensive``: XLA's ``InstructionFusion::IsExpensive``
   (not duplicated into several consumer fusions, so stored when read by several).
-* ``recomputable``: the activation model (``autopar.trace.activations``) may recompute it
+* ``recomputable``: the remat model (``autopar.search.build.residuals``) may recompute it
   in a fused backward kernel rather than store its result; ``recompute_consumer``: a
   backward consumer that fuses such recomputation (any other reader needs its operand in
   memory). These follow Megatron's hand-fused kernels, not XLA, and differ from the
@@ -179,7 +179,8 @@ def _family(name: str, members: str, flops: FlopRule, **columns) -> PrimitiveFam
     return PrimitiveFamily(name, frozenset(members.split()), flops, **columns)
 
 
-# Elementwise ops XLA fuses, the activation model recomputes and remat runs in its tail.
+# Elementwise ops XLA fuses, the remat model (search/build/residuals) recomputes and remat
+# runs in its tail.
 _FUSED_ELEMENTWISE = dict(
     sharding="elementwise",
     compute="elementwise",
@@ -474,7 +475,8 @@ FUSION_CONSUMERS: frozenset[str] = select(fusion_consumer=True)
 EXPENSIVE: frozenset[str] = select(expensive=True)
 """Elementwise ops XLA does not duplicate into several consumer fusions."""
 RECOMPUTABLE: frozenset[str] = select(recomputable=True)
-"""The activation model may recompute them in a fused backward kernel."""
+"""The remat model (``autopar.search.build.residuals``) may recompute them in a fused
+backward kernel."""
 RECOMPUTE_CONSUMERS: frozenset[str] = select(recompute_consumer=True)
 """Backward consumers that fuse the recomputation of their recomputable operands."""
 REMAT_TAIL: frozenset[str] = select(remat_tail=True)

@@ -39,7 +39,7 @@ Policies (a plan's ``remat``):
   operands are both activations), LayerNorms, activation functions and other elementwise
   ops. This is Korthikanti et al.'s selective recomputation (the attention core is never
   stored) plus recomputation of the elementwise work, like the ``"selective"`` rule of
-  :func:`autopar.trace.activations.activation_memory`.
+  the planner's memory model (:func:`autopar.search.build.residuals.residuals`).
 
 A layer's value read by a forward node outside the layer (its output, which the next layer
 reads) or by anything but the backward pass is never recomputed: its forward copy is used.

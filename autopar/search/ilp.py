@@ -183,6 +183,7 @@ def build(
     memory_limit: float | None = None,
     num_moments: int = 4,
     replication_penalty_s: float = 0.0,
+    remat: str = "none",
 ) -> BuiltProblem:
     """Build the :class:`BuiltProblem` of one graph on one mesh.
 
@@ -201,6 +202,8 @@ def build(
             ways). :func:`~autopar.search.evaluate.evaluate_plan` sets it to complete a
             partial plan the way XLA's sharding propagation does. Reported times never
             include it; without it the objective is the step time.
+        remat: the remat policy the memory model applies (``"none"``, ``"selective"``,
+            ``"full"``; :func:`autopar.search.build.memory.liveness`).
     """
     # Building allocates hundreds of thousands of small objects that stay alive; the
     # cyclic GC would rescan them over and over (a third of the build time at 96
@@ -217,7 +220,7 @@ def build(
         aliases = state_aliases(coarse, flat.input_ops) + tie_layers(
             coarse, priced.groups, catalog, coarsen=coarsen_groups
         )
-        persistent, timeline = memory.liveness(coarse)
+        persistent, timeline = memory.liveness(coarse, remat)
         nodes = tuple(
             ProblemNode(
                 coarse.ops[g.ops[0]].name or coarse.ops[g.ops[0]].node.primitive,

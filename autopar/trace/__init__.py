@@ -16,7 +16,6 @@ Example:
 import sys
 import types
 
-from autopar.trace.activations import ActivationMemory, SavedValue, activation_memory
 from autopar.trace.api import graph_from_jaxpr, trace
 from autopar.trace.evaluate import Hook, as_function, evaluate_inlined, hooked_body
 from autopar.trace.graph import (
@@ -32,7 +31,6 @@ from autopar.trace.graph import (
 from autopar.trace.inline import inline_jaxpr
 
 __all__ = [
-    "ActivationMemory",
     "Graph",
     "GraphInput",
     "GraphOutput",
@@ -41,9 +39,7 @@ __all__ = [
     "Layer",
     "Node",
     "Phase",
-    "SavedValue",
     "TensorInfo",
-    "activation_memory",
     "as_function",
     "evaluate_inlined",
     "graph_from_jaxpr",

@@ -78,7 +78,7 @@ def test_known_facts():
     assert cast.flops == "free" and cast.sharding == "elementwise"
     assert cast.fusible and cast.recomputable and cast.compute == "elementwise"
 
-    # Reductions root a fusion (XLA) and fuse recomputation (activation model); a
+    # Reductions root a fusion (XLA) and fuse recomputation (remat model); a
     # cumulative sum only the latter; gathers and scatter-adds recompute their operands.
     assert {"reduce_sum", "argmax"} <= P.FUSION_CONSUMERS - P.FUSIBLE
     assert "cumsum" in P.RECOMPUTE_CONSUMERS - P.FUSION_CONSUMERS

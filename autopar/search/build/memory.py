@@ -10,8 +10,16 @@ another layout than it is made in occupies a second buffer when the reshard move
 constraints (:func:`memory_constraint`, :func:`pick_moments`); :func:`peak` checks every
 moment exactly, copies included, and the planner adds any moment that breaks the bound.
 
-This is the planner's one memory model: ``plan.predicted.memory_bytes_per_device`` and
-the ILP's memory constraints both come from it.
+Under a remat policy (``liveness(coarse, remat)``, ``ilp.build(..., remat=...)``),
+:mod:`~autopar.search.build.residuals` decides which forward values the step stores for
+its backward pass (``"selective"``: not the attention core; ``"full"``: only each layer's
+inputs); a forward value it rebuilds is live in the forward pass only while the forward
+reads it and in the backward pass only around its recompute (:func:`_apply_remat`), so
+:func:`peak` and the ILP's constraints reflect the policy. ``"none"`` keeps what XLA keeps.
+
+This is the planner's one memory model: ``plan.predicted.memory_bytes_per_device``, the
+ILP's memory constraints and the activation bytes per layer under each remat policy
+(``tests/search/test_residuals.py``, against Korthikanti et al. 2022) all come from it.
 
 Example:
     >>> persistent, timeline = liveness(coarse)              # doctest: +SKIP
@@ -22,16 +30,20 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from autopar.search.build.coarsen import Coarse
 from autopar.search.build.flatten import scan_ok
 from autopar.search.build.records import MemValue, Ref, Scope, pad
+from autopar.search.build.residuals import Residuals, residuals
 from autopar.search.fusion import materialised_values
 from autopar.search.problem import MemoryConstraint
 from autopar.search.sharding import shards
-from autopar.trace.graph import Graph
+from autopar.trace.graph import Graph, TensorInfo
+
+Span = tuple[int, int, MemValue, int]
+"""A value's life on a timeline: (born, dies, the value, its value id)."""
 
 if TYPE_CHECKING:
     from autopar.search.ilp import BuiltProblem
@@ -85,8 +97,13 @@ class Timeline:
         return self.live_at(max(range(len(totals)), key=totals.__getitem__))
 
 
-def liveness(coarse: Coarse) -> tuple[tuple[MemValue, ...], Timeline]:
-    """The persistent values (inputs) and the timeline of everything else."""
+def liveness(coarse: Coarse, remat: str = "none") -> tuple[tuple[MemValue, ...], Timeline]:
+    """The persistent values (inputs) and the timeline of everything else.
+
+    ``remat="selective"`` / ``"full"`` applies that policy's stored set
+    (:func:`~autopar.search.build.residuals.residuals`) to the top-level timeline
+    (:func:`_apply_remat`); ``"none"`` keeps what XLA keeps.
+    """
     g = coarse.graph
     persistent = tuple(
         MemValue(
@@ -100,10 +117,25 @@ def liveness(coarse: Coarse) -> tuple[tuple[MemValue, ...], Timeline]:
         if gi.output_index is not None and gi.output_index < len(g.outputs)
     }
     inputs = {gi.value for gi in g.inputs}
-    return persistent, _timeline(coarse, g, (), skip=donated | inputs)
+    if remat == "none":
+        return persistent, _timeline(coarse, g, (), skip=donated | inputs)
+    return persistent, _timeline(
+        coarse,
+        g,
+        (),
+        skip=donated | inputs,
+        policy=residuals(g, remat),  # type: ignore[arg-type]
+    )
 
 
-def _timeline(coarse: Coarse, graph: Graph, scope: Scope, *, skip: set[int]) -> Timeline:
+def _timeline(
+    coarse: Coarse,
+    graph: Graph,
+    scope: Scope,
+    *,
+    skip: set[int],
+    policy: Residuals | None = None,
+) -> Timeline:
     env = coarse.envs.get(scope, {})
     nodes = graph.nodes
     n = len(nodes)
@@ -124,6 +156,7 @@ def _timeline(coarse: Coarse, graph: Graph, scope: Scope, *, skip: set[int]) -> 
                 (runs[pos[c]] for v in node.outputs for c in graph.consumers.get(v, ())),
                 default=i,
             )
+    spans: list[Span] = []
     for i, node in enumerate(nodes):
         for port, v in enumerate(node.outputs):
             if v in skip or v not in stored:
@@ -134,15 +167,116 @@ def _timeline(coarse: Coarse, graph: Graph, scope: Scope, *, skip: set[int]) -> 
             if node.phase == "backward" and any(nodes[pos[c]].phase == "optimizer" for c in users):
                 cat = "grads"
             mv = MemValue(env.get(v), node.out_tensors[port], cat, f"{node.name_stack}:{port}")
-            born[i].append(mv)
-            dies[end].append(mv)
+            spans.append((i, end, mv, v))
         if node.primitive == "scan" and scan_ok(node):
             body = node.body[0]
             inner = _timeline(
                 coarse, body, scope + ((node.id, 0),), skip={b.value for b in body.inputs}
             )
             extra[i] = tuple(inner.peak_set())
+    if policy is not None:
+        spans = _apply_remat(coarse, graph, spans, policy, runs, stored | skip)
+    for start, end, mv, _ in spans:
+        born[start].append(mv)
+        dies[end].append(mv)
     return Timeline(tuple(map(tuple, born)), tuple(map(tuple, dies)), tuple(extra))
+
+
+def _apply_remat(
+    coarse: Coarse,
+    graph: Graph,
+    spans: list[Span],
+    policy: Residuals,
+    runs: list[int],
+    tracked: set[int],
+) -> list[Span]:
+    """The top-level live spans under a remat policy (``policy``, from
+    :func:`~autopar.search.build.residuals.residuals`); ``tracked``: the values ``spans``
+    already decided on (XLA keeps them, or they are inputs).
+
+    * A forward activation the policy rebuilds lives in the forward pass only until its
+      last forward reader (not at all if none reads it), and again from its first backward
+      reader to its last: around its recompute. A scan's stacked output is rebuilt one
+      iteration at a time inside the backward loop (one slice, at the backward scan).
+    * A stored value lives until the last recompute that reads it (``policy.sources``).
+    * A stored value XLA's fusion would not keep (a dropout mask fused into its readers)
+      is kept from its producer to its last reader; a stored value of a forward loop body
+      that is not a loop output (a layer's input under ``"full"``) is kept ``copies``
+      times stacked, from the forward loop to the last backward reader of its outputs.
+    """
+    env = coarse.envs.get((), {})
+    nodes = graph.nodes
+    pos = {node.id: i for i, node in enumerate(nodes)}
+    out_values = {o.value for o in graph.outputs}
+
+    def reads(v: int) -> tuple[list[int], list[int]]:
+        """Moments at which ``v`` is read: (in the forward, in the backward)."""
+        fw, bw = [], []
+        for c in graph.consumers.get(v, ()):
+            t = runs[pos[c]]
+            (bw if nodes[t].phase == "backward" else fw).append(t)
+        return fw, bw
+
+    def rebuilt(i: int, v: int) -> bool:
+        return nodes[i].phase == "forward" and v not in out_values and policy.rebuilt(((), v))
+
+    hold: dict[int, int] = {}  # stored value -> the last recompute that reads it
+    for i, node in enumerate(nodes):
+        for v in node.outputs:
+            bw = reads(v)[1] if rebuilt(i, v) else ()
+            for sc, s in policy.sources.get(((), v), ()) if bw else ():
+                if not sc:
+                    hold[s] = max(hold.get(s, -1), min(bw))
+    out: list[Span] = []
+    for start, end, mv, v in spans:
+        if not rebuilt(start, v):
+            out.append((start, max(end, hold.get(v, end)), mv, v))
+            continue
+        fw, bw = reads(v)
+        if fw:
+            out.append((start, max(fw), mv, v))
+        if bw:
+            node = nodes[start]
+            if (
+                node.primitive == "scan"
+                and scan_ok(node)
+                and node.outputs.index(v) >= int(node.params["num_carry"])
+            ):  # a stacked output: rebuilt one iteration at a time
+                t = mv.tensor
+                mv = replace(mv, tensor=TensorInfo((1, *t.shape[1:]), t.dtype))
+            out.append((min(bw), max(bw), mv, v))
+        if not fw and not bw:
+            out.append((start, end, mv, v))
+    # Stored values the timeline does not hold yet.
+    for i, node in enumerate(nodes):
+        for port, v in enumerate(node.outputs):
+            if v in tracked or ((), v) not in policy.stored or node.phase != "forward":
+                continue
+            fw, bw = reads(v)
+            end = max([i, *fw, *bw, hold.get(v, i)])
+            mv = MemValue(
+                env.get(v), node.out_tensors[port], "activations", f"{node.name_stack}:{port}"
+            )
+            out.append((i, end, mv, v))
+    for sv in policy.saved:
+        if not sv.scope or any(not sc for sc, _ in sv.aliases):
+            continue  # a top-level value (above)
+        loop = sv.scope[0][0]
+        ref = coarse.envs.get(sv.scope, {}).get(sv.value)
+        if loop not in pos or ref is None:
+            continue
+        start = pos[loop]
+        bw = [t for v in nodes[start].outputs for t in reads(v)[1]]
+        if not bw:
+            continue
+        mv = MemValue(
+            Ref(ref.op, ref.port, ref.delta + 1),
+            TensorInfo((sv.copies, *sv.tensor.shape), sv.tensor.dtype),
+            "activations",
+            f"{sv.name_stack}:stored",
+        )
+        out.append((start, max(bw), mv, -1))
+    return out
 
 
 def pick_moments(timeline: Timeline, k: int) -> list[int]:

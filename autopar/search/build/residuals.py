@@ -1,9 +1,13 @@
-"""Activation memory of a traced training step, measured on the graph.
+"""Build stage 4, memory (part): what the forward pass keeps for the backward pass.
 
-The activations of a step are its **residuals**: values the forward pass produces and the
-backward pass reads. :func:`activation_memory` finds them in the traced :class:`Graph`
-(scan bodies included), decides which of them are *stored* under a remat policy, and
-charges the stored bytes to the layers of ``graph.layers``.
+The residuals of a training step are the values its forward pass produces and its backward
+pass reads. :func:`residuals` finds them in the traced :class:`Graph` (scan bodies
+included) and decides which of them are *stored* under a remat policy and which are
+*rebuilt* in the backward pass; :func:`autopar.search.build.memory.liveness` applies that
+decision to the planner's live-value timeline (``remat="selective"`` / ``"full"``: a
+rebuilt value is not live from the forward into the backward, only around its recompute),
+so ``BuiltProblem.peak`` and the ILP's memory constraints reflect the policy. It also
+charges the stored bytes to the layers of ``graph.layers`` (:attr:`Residuals.layer_bytes`).
 
 What is stored is a minimum cut (the formulation of Chen et al.'s checkpointing and of
 PyTorch's min-cut rematerialisation partitioner): every forward value is either stored
@@ -28,7 +32,8 @@ backward pass from stored values, and the cut minimises the stored bytes under t
 
 Remat policies, applied on the graph:
 
-* ``"none"``: the cut above.
+* ``"none"``: the cut above. (The planner's timeline does not use it: under ``"none"``
+  it keeps what XLA keeps, the values its fusion materialises; see below.)
 * ``"selective"`` (Korthikanti et al. 2022, section 4.2): the **attention core** is never
   stored but recomputed (its matmul and random bits included). Structural rule: an
   *attention matmul* is a forward ``dot_general`` whose two operands both carry batch
@@ -57,14 +62,15 @@ layer's input belongs to it), else to its producer's layer, else to no layer
 Measured on the model zoo's GPT (``benchmarks/models/gpt.py``: pre-LN, bf16 compute, fp32
 LayerNorm statistics and softmax, dropout 0.1, tanh GeLU; ``s = h = 256``, ``a = 8``,
 ``b = 2``; scanned and unrolled layers give identical numbers), per layer, against
-Korthikanti's Table 2 (``s b h (34 + 5 a s / h)``, ``34 s b h``, ``2 s b h``):
+Korthikanti's Table 2 (``s b h (34 + 5 a s / h)``, ``34 s b h``, ``2 s b h``;
+``tests/search/test_residuals.py``):
 
 * ``"none"``: 1.004x. The cut stores Megatron's set (up to ties of equal bytes, below):
-  both LayerNorms' inputs and outputs (8 sbh), Q, K, V (6), the bf16 scores, dropout mask and dropped-out
-  probabilities (5 a s^2 b), the output projection's input (2), fc_in's output and the
-  GeLU output (16), two residual dropout masks (2); plus fp32 LayerNorm / softmax
-  statistics, ``8 b s (a + 2)`` bytes (0.4%). The fp32 softmax and LayerNorm internals
-  cost nothing: they are recomputed from the bf16 values.
+  both LayerNorms' inputs and outputs (8 sbh), Q, K, V (6), the bf16 scores, dropout
+  mask and dropped-out probabilities (5 a s^2 b), the output projection's input (2),
+  fc_in's output and the GeLU output (16), two residual dropout masks (2); plus fp32
+  LayerNorm / softmax statistics, ``8 b s (a + 2)`` bytes (0.4%). The fp32 softmax and
+  LayerNorm internals cost nothing: they are recomputed from the bf16 values.
 * ``recompute_elementwise=False`` (JAX's literal residuals): 1.92x. JAX keeps the fp32
   softmax numerator (4 a s^2 b), the bf16 dropped-out probabilities (2) and the mask (1):
   7 a s^2 b instead of 5; per LayerNorm the fp32 ``x - mean`` and two fp32 products
@@ -74,7 +80,12 @@ Korthikanti's Table 2 (``s b h (34 + 5 a s / h)``, ``34 s b h``, ``2 s b h``):
   of temp memory per layer, as predicted here (218.4), and by 164.2 (164.2) at s = 128,
   h = 512. (With unrolled layers XLA's scheduler sometimes keeps less: 216.1 against
   218.4 at s = h = 256 but 64.1 against 164.2 at s = 128, h = 512; not investigated.)
-* ``"selective"``: 1.002x of ``34 s b h``; ``"full"``: exactly ``2 s b h``.
+  The planner's ``"none"`` timeline grows by the same 1.92x per scanned layer (the
+  forward scan's stacked outputs are JAX's residuals, plus the two LayerNorm scales in
+  fp32) and by 1.73x per unrolled layer (XLA's fusion recomputes cheap elementwise
+  producers inside backward fusions; it keeps dropout's uint32 bits, not the mask).
+* ``"selective"``: 1.002x of ``34 s b h``; ``"full"``: exactly ``2 s b h``; the
+  planner's timeline under these policies grows by the same bytes per layer.
 * fp32: ``s b h (66 + 9 a s / h)``, 1.87x the mixed-precision bytes.
 
 Ties: cuts of equal bytes are broken toward values the backward reads directly; a layer's
@@ -93,15 +104,16 @@ Example:
     ...     return w - 0.1 * jax.grad(loss)(w, x)
     >>> f = jax.ShapeDtypeStruct
     >>> g = trace(sgd_step, f((8, 8), jnp.float32), f((4, 8), jnp.float32))
-    >>> activation_memory(g).total_bytes     # tanh output, read by dW: 4 * 8 float32
+    >>> residuals(g).total_bytes     # tanh output, read by dW: 4 * 8 float32
     128
-    >>> activation_memory(g, recompute_elementwise=False).total_bytes  # and 1 - tanh^2
+    >>> residuals(g, recompute_elementwise=False).total_bytes  # and 1 - tanh^2
     256
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -109,6 +121,7 @@ import numpy as np
 
 from autopar.errors import AutoparError, InvalidOptionError
 from autopar.primitives import RANDOM_BITS, RECOMPUTABLE, RECOMPUTE_CONSUMERS
+from autopar.search.build.records import Scope
 from autopar.trace.graph import Graph, Node, TensorInfo
 
 Remat = Literal["none", "selective", "full"]
@@ -130,6 +143,11 @@ _DATA_ROLES: frozenset[str] = frozenset({"batch", "other"})
 _SCALE = 2
 
 
+Key = tuple[Scope, int]
+"""A value of the step: ``(scope, value id)``, the scope ``()`` at top level (the
+``Node.scope`` convention: ``(scan node id, body index)`` of every loop around it)."""
+
+
 @dataclass(frozen=True)
 class SavedValue:
     """One value the forward pass stores for the backward pass.
@@ -144,15 +162,18 @@ class SavedValue:
         name_stack: the producing node's name stack.
         layers: indices into ``Graph.layers`` it is charged to (split evenly); ``()``
             outside every layer.
+        aliases: every value holding these same bytes (a scan's stacked output and its
+            per-iteration body value), this one included.
     """
 
-    scope: tuple[tuple[int, int], ...]
+    scope: Scope
     value: int
     tensor: TensorInfo
     copies: int
     primitive: str
     name_stack: str
     layers: tuple[int, ...]
+    aliases: tuple[Key, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -160,8 +181,8 @@ class SavedValue:
 
 
 @dataclass(frozen=True)
-class ActivationMemory:
-    """Activation bytes a training step stores between its forward and backward pass.
+class Residuals:
+    """What a training step keeps between its forward and backward pass, and where it goes.
 
     Attributes:
         remat: the remat policy applied (``"none"``, ``"selective"``, ``"full"``).
@@ -173,10 +194,16 @@ class ActivationMemory:
         by_primitive: stored bytes by producing primitive.
         by_dtype: stored bytes by dtype.
         saved: the stored values, largest first.
+        stored: every value kept from the forward for the backward (all aliases of
+            ``saved``).
+        computed: the values the forward pass computes (results of its operations, loop
+            outputs and bodies included; not the step's inputs or constants).
+        sources: per top-level computed value that is not stored (the backward pass
+            rebuilds it if it reads it), the stored values it is recomputed from.
 
     Example:
-        >>> mem = activation_memory(graph, remat="full")      # doctest: +SKIP
-        >>> mem.layer_bytes[0] == 2 * s * b * h               # doctest: +SKIP
+        >>> res = residuals(graph, remat="full")              # doctest: +SKIP
+        >>> res.layer_bytes[0] == 2 * s * b * h               # doctest: +SKIP
         True
     """
 
@@ -188,11 +215,21 @@ class ActivationMemory:
     by_primitive: dict[str, int] = field(default_factory=dict)
     by_dtype: dict[str, int] = field(default_factory=dict)
     saved: tuple[SavedValue, ...] = ()
+    stored: frozenset[Key] = frozenset()
+    computed: frozenset[Key] = frozenset()
+    sources: Mapping[Key, frozenset[Key]] = field(default_factory=dict)
 
     @property
     def max_layer_bytes(self) -> int:
         """The largest layer's bytes (0 without layers)."""
         return max(self.layer_bytes, default=0)
+
+    def rebuilt(self, key: Key) -> bool:
+        """Whether the forward value ``key`` is computed and not stored: under the policy
+        it lives in the forward pass only while the forward reads it, and in the backward
+        pass only around its recompute (from stored values, or from parameters alone: a
+        compute-dtype copy of a weight)."""
+        return key in self.computed and key not in self.stored
 
 
 # ----------------------------------------------------------------------------- the program
@@ -212,7 +249,7 @@ class _Op:
 
 @dataclass
 class _Value:
-    scope: tuple[tuple[int, int], ...]
+    scope: Scope
     vid: int
     tensor: TensorInfo
     copies: int
@@ -232,7 +269,7 @@ class _Program:
     def __init__(self, graph: Graph) -> None:
         self.values: list[_Value] = []
         self.ops: list[_Op] = []
-        self.index: dict[tuple[tuple[tuple[int, int], ...], int], int] = {}
+        self.index: dict[Key, int] = {}
         scan_layers: dict[int, list[int]] = defaultdict(list)
         for layer in graph.layers:
             if layer.kind == "scan":
@@ -522,14 +559,13 @@ def _classes(prog: _Program) -> list[int]:
 
 
 def _min_cut(
-    prog: _Program, free: list[bool], banned: list[bool], unsaveable: set[int]
+    prog: _Program, cls: list[int], free: list[bool], banned: list[bool], unsaveable: set[int]
 ) -> list[tuple[int, int]]:
     """``(representative, bytes)`` of the values to store (minimum bytes; module
-    docstring)."""
+    docstring); ``cls``: :func:`_classes`."""
     from ortools.graph.python import max_flow
 
     n = len(prog.values)
-    cls = _classes(prog)
     nbytes = np.zeros(n, dtype=np.int64)
     is_free = np.zeros(n, dtype=bool)
     no_save = np.zeros(n, dtype=bool)
@@ -601,10 +637,29 @@ def _min_cut(
     ]
 
 
-def activation_memory(
+def _sources(prog: _Program, k: int, stored: set[int], free: list[bool]) -> set[int]:
+    """The stored values the forward value ``k`` is recomputed from: walking up through
+    values that are neither stored nor free."""
+    out: set[int] = set()
+    seen = {k}
+    stack = [k]
+    while stack:
+        for op in prog.values[stack.pop()].producers:
+            for i in op.inputs:
+                if i in seen:
+                    continue
+                seen.add(i)
+                if i in stored:
+                    out.add(i)
+                elif not free[i]:
+                    stack.append(i)
+    return out
+
+
+def residuals(
     graph: Graph, remat: Remat = "none", *, recompute_elementwise: bool = True
-) -> ActivationMemory:
-    """Activation bytes ``graph`` stores between its forward and its backward pass.
+) -> Residuals:
+    """What ``graph`` stores between its forward and its backward pass under ``remat``.
 
     Residuals (values produced in the forward phase and read in the backward phase, loop
     bodies included) are found on the graph; the stored set is the minimum-byte set from
@@ -621,7 +676,8 @@ def activation_memory(
             is what XLA keeps for the compiled step.
 
     Returns:
-        An :class:`ActivationMemory`: total, per-layer and outside bytes, breakdowns.
+        :class:`Residuals`: the stored and rebuilt values; total, per-layer and outside
+        bytes, breakdowns.
 
     Raises:
         InvalidOptionError: ``remat`` is not ``"none"``, ``"selective"`` or ``"full"``.
@@ -630,8 +686,8 @@ def activation_memory(
         >>> from autopar.trace import trace
         >>> from benchmarks.models.gpt import GPTConfig, make_train_step
         >>> step, args = make_train_step(GPTConfig(512, 128, 128, 2, 4, dropout=0.1), 2)
-        >>> mem = activation_memory(trace(step, *args), "full")
-        >>> [b // (128 * 2 * 128) for b in mem.layer_bytes]      # 2 s b h per layer
+        >>> res = residuals(trace(step, *args), "full")
+        >>> [b // (128 * 2 * 128) for b in res.layer_bytes]      # 2 s b h per layer
         [2, 2]
     """
     if remat not in REMAT_POLICIES:
@@ -651,20 +707,29 @@ def activation_memory(
         unsaveable, entering = _layer_checkpoints(prog)
         banned = [b or k in entering for k, b in enumerate(banned)]
     banned = [b and k not in unsaveable for k, b in enumerate(banned)]
-    stored = _min_cut(prog, free, banned, unsaveable)
+    cls = _classes(prog)
+    stored = _min_cut(prog, cls, free, banned, unsaveable)
+    members: dict[int, list[int]] = defaultdict(list)
+    for k, c in enumerate(cls):
+        members[c].append(k)
+
+    def key(k: int) -> Key:
+        return prog.values[k].scope, prog.values[k].vid
 
     layer_bytes = [0] * len(graph.layers)
     outside = 0
     by_prim: dict[str, int] = defaultdict(int)
     by_dtype: dict[str, int] = defaultdict(int)
     saved = []
+    kept: set[int] = set()
     for k, nbytes in stored:
         val = prog.values[k]
         layers = prog.charge(k)
         copies = nbytes // val.tensor.nbytes if val.tensor.nbytes else val.copies
+        kept.update(members[k])
         sv = SavedValue(
             val.scope, val.vid, val.tensor, copies, prog.producer_primitive(k),
-            val.name_stack, layers,
+            val.name_stack, layers, tuple(key(m) for m in members[k]),
         )  # fmt: skip
         saved.append(sv)
         by_prim[sv.primitive] += sv.nbytes
@@ -676,7 +741,14 @@ def activation_memory(
         for j, i in enumerate(layers):
             layer_bytes[i] += share + (1 if j < rest else 0)
     saved.sort(key=lambda s: (-s.nbytes, s.scope, s.value))
-    return ActivationMemory(
+    # Where each top-level value the policy rebuilds is recomputed from (the timeline keeps
+    # those sources until the recompute).
+    sources = {
+        key(k): frozenset(key(i) for i in _sources(prog, k, kept, free))
+        for k, val in enumerate(prog.values)
+        if not val.scope and k not in kept and val.producers
+    }
+    return Residuals(
         remat=remat,
         recompute_elementwise=recompute_elementwise,
         total_bytes=sum(layer_bytes) + outside,
@@ -685,4 +757,10 @@ def activation_memory(
         by_primitive=dict(sorted(by_prim.items(), key=lambda kv: -kv[1])),
         by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])),
         saved=tuple(saved),
+        stored=frozenset(key(k) for k in kept),
+        computed=frozenset(key(k) for k, val in enumerate(prog.values) if val.producers),
+        sources=sources,
     )
+
+
+__all__ = ["REMAT_POLICIES", "Key", "Remat", "Residuals", "SavedValue", "residuals"]
