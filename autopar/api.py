@@ -74,11 +74,48 @@ def plan(
         >>> p.mesh, p.predicted.step_time_s > 0
         ({'data': 2, 'tensor': 4}, True)
     """
-    from autopar.search import plan_graph
-
     graph = fn if isinstance(fn, Graph) else trace(fn, *args, **kwargs)
-    result = plan_graph(graph, _resolve_cluster(cluster), _resolve_options(options))
+    if kwargs and not isinstance(fn, Graph):
+        fn, args = _positional(fn, args, kwargs)
+    result = _plan_graph(fn, args, graph, _resolve_cluster(cluster), _resolve_options(options))
     return _finish_plan(result, graph)
+
+
+def _positional(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
+    """``fn(*args, **kwargs)`` as a function of one positional pytree (same flat leaves)."""
+
+    def bound(a: tuple, k: dict) -> Any:
+        return fn(*a, **k)
+
+    return bound, (tuple(args), dict(kwargs))
+
+
+def _accumulation(fn: Callable, args: tuple, graph: Graph, microbatches: int) -> Any:
+    """The step analysed for ``microbatches`` (``None`` for one)."""
+    if microbatches <= 1:
+        return None
+    from autopar.lower.split import plan_accumulation
+
+    return plan_accumulation(fn, args, microbatches, full=graph)
+
+
+def _plan_graph(
+    fn: Callable | Graph, args: tuple, graph: Graph, cluster: Any, options: Any
+) -> Plan:
+    """Plan ``graph`` (``fn(*args)`` traced), microbatched if the options ask for it."""
+    from autopar.search import plan_graph
+    from autopar.search.planner import microbatch_count
+
+    m = microbatch_count(graph, options)
+    acc = None
+    if m > 1:
+        if isinstance(fn, Graph):
+            raise InvalidOptionError(
+                f"{m} microbatches re-trace the step on one microbatch: pass the step "
+                "function and its arguments, not a traced graph."
+            )
+        acc = _accumulation(fn, args, graph, m)
+    return plan_graph(graph, cluster, options, accumulation=acc)
 
 
 def _finish_plan(p: Plan, graph: Graph) -> Plan:
@@ -116,7 +153,12 @@ def evaluate(
     from autopar.search import evaluate_plan
 
     graph = fn_or_graph if isinstance(fn_or_graph, Graph) else trace(fn_or_graph, *args, **kwargs)
-    return evaluate_plan(graph, plan, _resolve_cluster(cluster))
+    m = plan.pipeline.microbatches if plan.pipeline is not None else 1
+    acc = None
+    if m > 1 and not isinstance(fn_or_graph, Graph):
+        fn, a = _positional(fn_or_graph, args, kwargs) if kwargs else (fn_or_graph, args)
+        acc = _accumulation(fn, a, graph, m)
+    return evaluate_plan(graph, plan, _resolve_cluster(cluster), accumulation=acc)
 
 
 def complete(
@@ -270,9 +312,7 @@ class AutoParallel:
                 p = self._cache.get(key)
                 timings["cache_hit"] = float(p is not None)
             if p is None:
-                from autopar.search import plan_graph
-
-                p = plan_graph(graph, self.cluster, self.options)
+                p = _plan_graph(fn, dyn, graph, self.cluster, self.options)
                 if self._cache is not None:
                     self._cache.put(key, _finish_plan(p, graph))
         p = _finish_plan(p, graph)

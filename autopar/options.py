@@ -47,8 +47,13 @@ class SearchOptions:
             an expert dimension, ``seq`` only for long sequences or small batches).
         memory_limit_bytes: per-device memory bound; default is the device's capacity.
         pipeline_stages: fix the number of pipeline stages (``1`` disables pipelining).
-        microbatches: fix the number of pipeline microbatches.
+        microbatches: fix the number of microbatches a step's batch is split into
+            (gradients accumulated over them; the pipeline's microbatches when pipelining).
+        microbatch_size: fix the per-replica microbatch size instead (Megatron's
+            ``micro_batch_size``: examples per data-parallel replica per microbatch).
+            Giving both is an error unless they agree with the batch.
         schedule: fix the pipeline schedule.
+        virtual_stages: fix the stage chunks per device (interleaved 1F1B).
         remat: fix the rematerialisation policy.
         zero_stage: fix the ZeRO stage (0-3) for the data axis.
         solver_time_limit_s: CP-SAT time limit per solve.
@@ -62,6 +67,8 @@ class SearchOptions:
     pipeline_stages: int | None = None
     microbatches: int | None = None
     schedule: Schedule | None = None
+    microbatch_size: int | None = None
+    virtual_stages: int | None = None
     remat: Remat | None = None
     zero_stage: Literal[0, 1, 2, 3] | None = None
     solver_time_limit_s: float = 30.0
@@ -97,7 +104,13 @@ class SearchOptions:
         _check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
         _check_positive("memory_limit_bytes", self.memory_limit_bytes)
         _check_positive("solver_time_limit_s", self.solver_time_limit_s)
-        for name in ("pipeline_stages", "microbatches", "max_meshes"):
+        for name in (
+            "pipeline_stages",
+            "microbatches",
+            "microbatch_size",
+            "virtual_stages",
+            "max_meshes",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidOptionError(f"{name}={value!r} must be an integer >= 1.")

@@ -171,19 +171,39 @@ class ActivationConstraint:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Pipeline stages as layer ranges ``[start, stop)``, the schedule and microbatches."""
+    """How the step's batch is split and, when pipelined, staged.
+
+    Attributes:
+        stages: layer ranges ``[start, stop)`` of ``graph.layers``, one per stage (one
+            range covering every layer: no pipelining, plain gradient accumulation).
+        schedule: the pipeline schedule.
+        microbatches: how many microbatches each step's batch is split into.
+        chunks: stage chunks per device (interleaved 1F1B's virtual stages).
+        microbatch_size: examples per data-parallel replica per microbatch, when known.
+        stage_remat: the remat policy of each stage (empty: the plan's ``remat``).
+    """
 
     stages: tuple[tuple[int, int], ...]
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
     microbatches: int = 1
     chunks: int = 1
+    microbatch_size: int | None = None
+    stage_remat: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(tuple(s) for s in self.stages))
+        object.__setattr__(self, "stage_remat", tuple(self.stage_remat))
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise LoadPlanError(f"pipeline microbatches={self.microbatches!r} must be >= 1")
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stage chunks per device (``chunks``)."""
+        return self.chunks
 
     def to_json(self) -> dict:
         return {
@@ -191,11 +211,20 @@ class PipelinePlan:
             "schedule": self.schedule,
             "microbatches": self.microbatches,
             "chunks": self.chunks,
+            "microbatch_size": self.microbatch_size,
+            "stage_remat": list(self.stage_remat),
         }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PipelinePlan:
-        return cls(tuple(map(tuple, d["stages"])), d["schedule"], d["microbatches"], d["chunks"])
+        return cls(
+            tuple(map(tuple, d["stages"])),
+            d["schedule"],
+            d["microbatches"],
+            d["chunks"],
+            d.get("microbatch_size"),
+            tuple(d.get("stage_remat", ())),
+        )
 
 
 @dataclass(frozen=True)

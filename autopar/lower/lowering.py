@@ -498,6 +498,7 @@ def lower_plan(
             f"the plan has {plan.pipeline.num_stages} pipeline stages; this lowering handles "
             "SPMD plans only (pipeline_stages=1). Re-plan with SearchOptions(pipeline_stages=1)."
         )
+    microbatches = plan.pipeline.microbatches if plan.pipeline is not None else 1
     remat = check_policy(plan.remat)
     remat_outside = remat != "none" and options.extra.get("remat") != "in_model"
     if mesh is None:
@@ -543,7 +544,14 @@ def lower_plan(
                 "(or LoweringOptions(activation_constraints=False) to drop them)."
             )
         body = _interpreted(graph, constraints, mesh, out_tree, late=_late(graph, plan, options))
-    if remat_outside:
+    if microbatches > 1:
+        if remat_outside:
+            raise LowerPlanError(
+                f"remat={remat!r} with {microbatches} microbatches is not available yet; "
+                "use remat='none' or microbatches=1."
+            )
+        body = _accumulated(bound, dyn, graph, plan, constraints, mesh, out_tree, options)
+    elif remat_outside:
         # Remat from outside the model: recompute residuals in the re-interpreted jaxpr.
         if graph is None:
             from autopar.trace import trace
@@ -665,6 +673,38 @@ def _interpreted(
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return run
+
+
+def _accumulated(
+    fn: Callable[..., Any],
+    dyn: Sequence[Any],
+    graph: Any,
+    plan: Plan,
+    constraints: Sequence[ActivationConstraint],
+    mesh: Mesh,
+    out_tree: Any,
+    options: LoweringOptions,
+) -> Callable[..., Any]:
+    """The step with its gradients computed over ``plan.pipeline.microbatches``
+    microbatches and its update applied once (:mod:`autopar.lower.split`), the plan's
+    activation constraints applied to both (equation ``k`` is the same in each)."""
+    from autopar.lower.split import accumulated_function, plan_accumulation
+    from autopar.trace import trace
+
+    if graph is None or getattr(graph, "jaxpr", None) is None or not hasattr(graph, "nodes"):
+        graph = trace(fn, *dyn)
+    acc = plan_accumulation(fn, dyn, plan.pipeline.microbatches, full=graph)
+    hook, into_bodies = None, False
+    if constraints:
+        _check_constraints(graph, constraints)
+        guard = default_guard(mesh.devices.flat[0].platform)
+        hook, into_bodies = _constraint_hook(constraints, mesh, _late(graph, plan, options), guard)
+    run = accumulated_function(acc, hook, into_bodies)
+
+    def step(*dyn_args: Any) -> Any:
+        return jax.tree_util.tree_unflatten(out_tree, run(*jax.tree_util.tree_leaves(dyn_args)))
+
+    return step
 
 
 def _zero3_gather(

@@ -28,7 +28,7 @@ from autopar.errors import InvalidOptionError, LoadPlanError
 from autopar.plan import ActivationConstraint, Plan, Predicted, PredictedCollective
 from autopar.primitives import MATMULS
 from autopar.search.costs import CostContext
-from autopar.search.ilp import BuiltProblem, build
+from autopar.search.ilp import BuiltProblem, build, with_accumulators
 from autopar.search.pricing import price_choice
 from autopar.search.sharding import (
     Sharding,
@@ -376,6 +376,22 @@ def plan_constraints(graph: Graph, plan: Plan) -> tuple[dict[int, Sharding], dic
     return fixed, constraints
 
 
+def _operand_constraints(graph: Graph, plan: Plan) -> dict:
+    """How the plan reads operands: ``(scope, node, operand)`` -> the layout the equation
+    reads it in (the last of a reshard's steps), as internal shardings."""
+    out = {}
+    for a in plan.activations:
+        if a.operand is None:
+            continue
+        scope = tuple(tuple(s) for s in a.scope)
+        g = graph
+        for scan_id, body_index in scope:
+            g = g.node(scan_id).body[body_index]
+        rank = g.node(a.node).in_tensors[a.operand].ndim
+        out[(scope, a.node, a.operand)] = from_plan_spec(a.spec, rank)
+    return out
+
+
 def _check_axes(spec, mesh: Mapping[str, int], where: str) -> None:
     for e in spec:
         for a in (e,) if isinstance(e, str) else (e or ()):
@@ -408,7 +424,12 @@ include it."""
 
 
 def _complete(
-    graph: Graph, plan: Plan, cluster: Any, time_limit_s: float, coarsen: bool
+    graph: Graph,
+    plan: Plan,
+    cluster: Any,
+    time_limit_s: float,
+    coarsen: bool,
+    accumulation: Any = None,
 ) -> tuple[BuiltProblem, Any]:
     if plan.pipeline is not None and plan.pipeline.num_stages > 1:
         raise InvalidOptionError(
@@ -429,6 +450,17 @@ def _complete(
         if plan.activations
         else PROPAGATION_PENALTY * ctx.latency("all-reduce", tuple(plan.mesh))
     )
+    m = plan.pipeline.microbatches if plan.pipeline is not None else 1
+    repeat = None
+    if m > 1:
+        if accumulation is None or accumulation.microbatches != m:
+            raise LoadPlanError(
+                f"the plan splits the batch into {m} microbatches: score it with the step "
+                "function (autopar.evaluate(fn, plan, cluster, *args)), which is re-traced "
+                "on one microbatch."
+            )
+        graph = accumulation.micro
+        repeat = dict.fromkeys(accumulation.gradient_eqns, float(m))
     bp = build(
         graph,
         ctx,
@@ -436,11 +468,36 @@ def _complete(
         constraints=_resolve_constraints(graph, raw),
         coarsen_groups=coarsen,
         replication_penalty_s=penalty,
+        repeat=repeat,
+        operand_constraints=_operand_constraints(graph, plan),
     )
-    sol = solve(bp.problem, time_limit_s)
+    if m > 1:
+        bp = with_accumulators(bp, accumulation)
+    # One worker: CP-SAT is deterministic then, so scoring a plan twice (the planner's
+    # polish, a user's evaluate) gives the same completion. A planner's plan leaves
+    # almost nothing free, so this solve is small.
+    sol = solve(bp.problem, time_limit_s, num_workers=1)
     if not sol.ok:
         raise LoadPlanError(f"could not complete the plan's layouts (solver status {sol.status}).")
     return bp, sol
+
+
+def complete_layouts(
+    graph: Graph,
+    plan: Plan,
+    cluster: Any,
+    *,
+    time_limit_s: float = 60.0,
+    coarsen: bool = True,
+    accumulation: Any = None,
+) -> tuple[BuiltProblem, Any]:
+    """The plan's problem with everything it pins fixed, solved: ``(built, solution)``.
+
+    This is the problem :func:`evaluate_plan` scores; the planner solves it once more for
+    the plan it writes (what the plan pins may be made more cheaply than the first
+    solve, stopped by its time limit, found), so its prediction is what
+    ``evaluate_plan`` reports for it."""
+    return _complete(graph, plan, cluster, time_limit_s, coarsen, accumulation)
 
 
 def evaluate_plan(
@@ -452,6 +509,7 @@ def evaluate_plan(
     coarsen: bool = True,
     memory_limit_bytes: float | None = None,
     sources: list[CollectiveSource] | None = None,
+    accumulation: Any = None,
 ) -> Evaluation:
     """Score ``plan`` for ``graph`` on ``cluster`` with the planner's cost model.
 
@@ -471,6 +529,8 @@ def evaluate_plan(
         sources: if a list, filled with one :class:`CollectiveSource` per predicted
             collective: which operation runs it or which value it reshards (the first
             place to look when ``autopar.verify`` disagrees).
+        accumulation: the step analysed for microbatching
+            (:func:`autopar.lower.split.plan_accumulation`), for a plan with microbatches.
 
     Returns:
         The breakdown. For a plan the planner made (every layout pinned), the layouts are
@@ -489,7 +549,7 @@ def evaluate_plan(
         >>> sorted(ev.communication_by_class)
         ['dp_grad', 'tensor']
     """
-    bp, sol = _complete(graph, plan, cluster, time_limit_s, coarsen)
+    bp, sol = _complete(graph, plan, cluster, time_limit_s, coarsen, accumulation)
     return decode(
         bp, sol.choice, status=sol.status, memory_limit=memory_limit_bytes, sources=sources
     )
@@ -532,6 +592,7 @@ def complete_plan(
 
 __all__ = [
     "PROPAGATION_PENALTY",
+    "complete_layouts",
     "CollectiveSource",
     "Evaluation",
     "complete_plan",

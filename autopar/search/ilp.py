@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from autopar.search.build import memory
 from autopar.search.build.catalog import StrategyCatalog, struct_key
@@ -65,6 +66,7 @@ class BuiltProblem:
         param_shapes: shapes of parameters (gradient reductions have them).
         unsupported: primitives no strategy rule knows.
         coarse_stats: sizes (ops, graph nodes, groups).
+        value_refs: top-level graph value id -> where the problem makes it.
     """
 
     graph: Graph
@@ -82,6 +84,7 @@ class BuiltProblem:
     param_shapes: frozenset[tuple[int, ...]]
     unsupported: tuple[str, ...] = ()
     coarse_stats: Mapping[str, int] = field(default_factory=dict)
+    value_refs: Mapping[int, Ref] = field(default_factory=dict)
 
     # -- reading a choice -------------------------------------------------------------
     def strategy(self, op: int, choice: Sequence[int]) -> OpStrategy:
@@ -184,6 +187,8 @@ def build(
     num_moments: int = 4,
     replication_penalty_s: float = 0.0,
     remat: str = "none",
+    repeat: Mapping[int, float] | None = None,
+    operand_constraints: Mapping[tuple[Scope, int, int], Sharding] | None = None,
 ) -> BuiltProblem:
     """Build the :class:`BuiltProblem` of one graph on one mesh.
 
@@ -202,6 +207,10 @@ def build(
             ways). :func:`~autopar.search.evaluate.evaluate_plan` sets it to complete a
             partial plan the way XLA's sharding propagation does. Reported times never
             include it; without it the objective is the step time.
+        operand_constraints: ``(scope, node id, operand)`` -> the layout a plan reads that
+            operand in (restricts the reading group leader's strategies).
+        repeat: top-level node id -> executions per step (the gradient computation of a
+            microbatched step runs once per microbatch).
         remat: the remat policy the memory model applies (``"none"``, ``"selective"``,
             ``"full"``; :func:`autopar.search.build.memory.liveness`).
     """
@@ -212,9 +221,13 @@ def build(
     gc.disable()
     try:
         catalog = StrategyCatalog(ctx, fixed_inputs=fixed_inputs, input_axes=input_axes)
-        flat = flatten(graph, constraints)
+        flat = flatten(graph, constraints, repeat)
         coarse = coarsen(
-            flat, catalog, enabled=coarsen_groups, tie_optimizer_state=tie_optimizer_state
+            flat,
+            catalog,
+            enabled=coarsen_groups,
+            tie_optimizer_state=tie_optimizer_state,
+            operand_pins=operand_constraints,
         )
         priced = price(coarse, catalog, replication_penalty_s=replication_penalty_s)
         aliases = state_aliases(coarse, flat.input_ops) + tie_layers(
@@ -258,6 +271,7 @@ def build(
                 "graph_nodes": _count_nodes(graph),
                 "groups": len(priced.groups),
             },
+            coarse.envs.get((), {}),
         )
         return bp.with_moments(memory.pick_moments(timeline, num_moments))
     finally:
@@ -281,6 +295,39 @@ class ProblemBuilder:
         return build(self.graph, self.ctx, **self.kw)
 
 
+def with_accumulators(bp: BuiltProblem, acc: Any) -> BuiltProblem:
+    """``bp`` (built on one microbatch of a step, ``acc``: an
+    :class:`autopar.lower.split.Accumulation`) with the memory the microbatch loop adds:
+    the whole batch stays resident (the step's input), and every summed or averaged
+    value the gradient computation hands the update has an accumulator (float32 for
+    narrower floats) live across all microbatches, laid out as the value is."""
+    from autopar.search.build.memory import ROLE_CATEGORY
+    from autopar.trace.graph import TensorInfo
+
+    full = {gi.index: gi for gi in acc.full.inputs}
+    persistent = []
+    for v in bp.persistent:
+        gi = next(
+            (g for g in bp.graph.inputs if bp.input_ops.get(g.index) == getattr(v.ref, "op", None)),
+            None,
+        )
+        if gi is not None and gi.index in acc.batch_inputs:
+            v = replace(v, tensor=full[gi.index].tensor, category=ROLE_CATEGORY[gi.role])
+        persistent.append(v)
+    for (k, j), rule in zip(acc.handoff, acc.rules, strict=True):
+        if rule not in ("mean", "sum"):
+            continue
+        node = bp.graph.nodes[k]
+        ref = bp.value_refs.get(node.outputs[j])
+        t = node.out_tensors[j]
+        dtype = "float32" if t.dtype in ("bfloat16", "float16") else t.dtype
+        persistent.append(
+            MemValue(ref, TensorInfo(t.shape, dtype), "grads", f"accumulator {node.name_stack}:{j}")
+        )
+    out = replace(bp, persistent=tuple(persistent))
+    return out.with_moments(out.moments)
+
+
 def _count_nodes(graph: Graph) -> int:
     total = 0
     for n in graph.nodes:
@@ -292,6 +339,7 @@ def _count_nodes(graph: Graph) -> int:
 
 __all__ = [
     "BuiltProblem",
+    "with_accumulators",
     "ProblemBuilder",
     "Ref",
     "build",

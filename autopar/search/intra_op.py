@@ -22,7 +22,7 @@ from autopar.axes import BATCH_AXES
 from autopar.options import SearchOptions
 from autopar.search.costs import CostContext
 from autopar.search.evaluate import Evaluation, decode
-from autopar.search.ilp import BuiltProblem, build
+from autopar.search.ilp import BuiltProblem, build, with_accumulators
 from autopar.search.problem import ShardingSolution
 from autopar.search.solver import objective_lower_bound, solve
 from autopar.trace.graph import Graph
@@ -78,17 +78,35 @@ def build_problem(
     mesh: Mapping[str, int],
     options: SearchOptions,
     memory_limit: float | None,
+    accumulation: Any = None,
 ) -> BuiltProblem:
-    """The :class:`BuiltProblem` of ``graph`` on ``mesh`` under ``options``."""
+    """The :class:`BuiltProblem` of ``graph`` on ``mesh`` under ``options``.
+
+    With ``accumulation`` (an :class:`autopar.lower.split.Accumulation` of ``graph``), the
+    problem is the microbatched step's: built on one microbatch, its gradient computation
+    run ``accumulation.microbatches`` times per step, with the accumulators and the
+    resident batch in memory (:func:`autopar.search.ilp.with_accumulators`)."""
     ctx = CostContext(cluster, mesh)
-    return build(
-        graph,
+    if accumulation is None:
+        return build(
+            graph,
+            ctx,
+            input_axes=_input_axes(graph, mesh, options),
+            tie_optimizer_state=options.zero_stage not in (1, 2),
+            coarsen_groups=options.coarsen,
+            memory_limit=memory_limit,
+        )
+    micro = accumulation.micro
+    bp = build(
+        micro,
         ctx,
-        input_axes=_input_axes(graph, mesh, options),
+        input_axes=_input_axes(micro, mesh, options),
         tie_optimizer_state=options.zero_stage not in (1, 2),
         coarsen_groups=options.coarsen,
         memory_limit=memory_limit,
+        repeat=dict.fromkeys(accumulation.gradient_eqns, float(accumulation.microbatches)),
     )
+    return with_accumulators(bp, accumulation)
 
 
 def solve_within_memory(
@@ -143,6 +161,7 @@ def solve_mesh(
     *,
     time_limit_s: float | None = None,
     built: BuiltProblem | None = None,
+    accumulation: Any = None,
 ) -> MeshResult:
     """Solve the intra-op problem of ``graph`` on one mesh under a memory bound.
 
@@ -159,7 +178,9 @@ def solve_mesh(
         >>> r.bound_s <= r.solution.objective
         True
     """
-    bp = built if built is not None else build_problem(graph, cluster, mesh, options, memory_limit)
+    if built is None:
+        built = build_problem(graph, cluster, mesh, options, memory_limit, accumulation)
+    bp = built
     r = MeshResult(dict(mesh), step_lower_bound(bp), bp)
     r.time_limit_s = options.solver_time_limit_s if time_limit_s is None else time_limit_s
     peaks: list[float] = []

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.axes import AXIS_NAMES
+from autopar.axes import AXIS_NAMES, BATCH_AXES
 from autopar.errors import InfeasiblePlanError, InvalidOptionError, SolveShardingError
 from autopar.options import SearchOptions
-from autopar.plan import Plan
+from autopar.plan import PipelinePlan, Plan
+from autopar.search.evaluate import complete_layouts, decode
 from autopar.search.intra_op import MeshResult, build_problem, solve_mesh, step_lower_bound
 from autopar.search.meshes import candidate_meshes, expert_dims, offered_axes
 from autopar.search.to_plan import role_names, write_plan
@@ -41,6 +42,7 @@ from autopar.trace.graph import Graph
 
 _CLOSE = 0.10  # meshes whose bound is within this of the best step time get the full limit
 _LOSER_TIME_FRACTION = 0.25  # the others get this fraction of the solver time limit
+_POLISH_ROUNDS = 3  # re-solves of the written plan's own problem (one usually settles it)
 
 
 def _better(a: MeshResult, b: MeshResult) -> bool:
@@ -61,10 +63,31 @@ def _canonical(r: MeshResult) -> bool:
 
 
 def _check(options: SearchOptions, cluster: Any) -> None:
+    """Refuse what the search cannot do yet, rather than ignore it."""
     if options.pipeline_stages is not None and options.pipeline_stages > 1:
         raise InvalidOptionError(
             f"pipeline_stages={options.pipeline_stages}: pipelining is not available yet; "
             "use pipeline_stages=None or 1."
+        )
+    if options.mesh is not None and options.mesh.get("pipe", 1) > 1:
+        raise InvalidOptionError(
+            f"mesh {dict(options.mesh)} has a 'pipe' axis of {options.mesh['pipe']}: "
+            "pipelining is not available yet; drop the 'pipe' axis (microbatches alone "
+            "accumulate gradients)."
+        )
+    if options.axes is not None and "pipe" in options.axes:
+        raise InvalidOptionError(
+            f"axes={options.axes!r}: pipelining ('pipe') is not available yet; drop it."
+        )
+    if options.schedule is not None:
+        raise InvalidOptionError(
+            f"schedule={options.schedule!r}: pipeline schedules need pipelining, which is "
+            "not available yet; leave schedule=None."
+        )
+    if (options.virtual_stages or 1) > 1:
+        raise InvalidOptionError(
+            f"virtual_stages={options.virtual_stages}: interleaved pipelining is not "
+            "available yet; leave virtual_stages=None."
         )
     if options.remat not in (None, "none"):
         raise InvalidOptionError(
@@ -80,8 +103,56 @@ def _check(options: SearchOptions, cluster: Any) -> None:
             )
 
 
+def microbatch_count(graph: Graph, options: SearchOptions) -> int:
+    """How many microbatches the options ask for (1: none).
+
+    ``microbatches`` is taken as given; ``microbatch_size`` (examples per data-parallel
+    replica) needs a fixed mesh, whose batch axes (:data:`autopar.axes.BATCH_AXES`) give
+    the replicas. Giving both is an error unless they agree with the batch.
+
+    Example:
+        >>> microbatch_count(graph, SearchOptions(mesh={"data": 8}, microbatch_size=2))
+        4
+    """
+    batch = [gi.tensor.shape[0] for gi in graph.inputs if gi.role == "batch" and gi.tensor.ndim]
+    if options.microbatch_size is None:
+        return options.microbatches or 1
+    if not batch:
+        raise InvalidOptionError(
+            f"microbatch_size={options.microbatch_size}: the step has no batch input."
+        )
+    if options.mesh is None:
+        raise InvalidOptionError(
+            f"microbatch_size={options.microbatch_size} is per data-parallel replica, so it "
+            "needs a fixed mesh; give SearchOptions(mesh=...) too, or microbatches instead."
+        )
+    replicas = 1
+    for a in BATCH_AXES:
+        replicas *= options.mesh.get(a, 1)
+    size = max(batch)
+    per_replica, rest = divmod(size, replicas)
+    m, rest2 = divmod(per_replica, options.microbatch_size) if not rest else (0, 1)
+    if rest or rest2 or m < 1:
+        raise InvalidOptionError(
+            f"microbatch_size={options.microbatch_size} does not divide the batch of {size} "
+            f"over {replicas} data-parallel replicas; pick a divisor of {size // max(replicas, 1)}."
+        )
+    if options.microbatches is not None and options.microbatches != m:
+        raise InvalidOptionError(
+            f"microbatches={options.microbatches} and microbatch_size={options.microbatch_size} "
+            f"disagree: a batch of {size} over {replicas} replicas in microbatches of "
+            f"{options.microbatch_size} is {m} microbatches; give one of them."
+        )
+    return m
+
+
 def plan_graph(
-    graph: Graph, cluster: Any, options: SearchOptions | None = None, *, results: list | None = None
+    graph: Graph,
+    cluster: Any,
+    options: SearchOptions | None = None,
+    *,
+    results: list | None = None,
+    accumulation: Any = None,
 ) -> Plan:
     """Search a parallel plan for a traced training step.
 
@@ -90,6 +161,9 @@ def plan_graph(
         cluster: a ``cost_models.Cluster``.
         options: what is fixed and what is searched (default: everything searched).
         results: if given, a list that receives one :class:`MeshResult` per mesh looked at.
+        accumulation: the step analysed for microbatching
+            (:func:`autopar.lower.split.plan_accumulation`), needed when the options ask
+            for microbatches (``autopar.plan`` makes it from the step function).
 
     Returns:
         The plan with the lowest predicted step time that fits the memory bound; its
@@ -109,12 +183,24 @@ def plan_graph(
     """
     options = options or SearchOptions()
     _check(options, cluster)
+    m = microbatch_count(graph, options)
+    pipeline = None
+    if m > 1:
+        if accumulation is None or accumulation.microbatches != m:
+            raise InvalidOptionError(
+                f"{m} microbatches: microbatching re-traces the step on one microbatch; plan "
+                "the step function with autopar.plan(fn, *args, options=...) rather than a "
+                "traced graph."
+            )
+        pipeline = PipelinePlan(((0, len(graph.layers)),), "gpipe", m)
+    else:
+        accumulation = None
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
     allowed = offered_axes(graph, cluster.num_devices, options)
     rename_roles = options.mesh is None and options.zero_stage is None
     tried: list[MeshResult] = []
     for mesh in candidate_meshes(cluster.num_devices, options, graph):
-        bp = build_problem(graph, cluster, mesh, options, limit)
+        bp = build_problem(graph, cluster, mesh, options, limit, accumulation)
         tried.append(MeshResult(mesh, step_lower_bound(bp), bp))
     # The most promising mesh first (by its step-time lower bound; fewer axes on a tie):
     # it sets the incumbent that lets the others be skipped or solved briefly.
@@ -136,7 +222,14 @@ def plan_graph(
         if incumbent is not None and r.bound_s > (1 - _CLOSE) * incumbent:
             time_limit *= _LOSER_TIME_FRACTION
         r = tried[i] = solve_mesh(
-            graph, cluster, r.mesh, options, limit, time_limit_s=time_limit, built=r.built
+            graph,
+            cluster,
+            r.mesh,
+            options,
+            limit,
+            time_limit_s=time_limit,
+            built=r.built,
+            accumulation=accumulation,
         )
         if r.evaluation is None or r.skipped:
             continue
@@ -144,9 +237,9 @@ def plan_graph(
             r.rename = role_names(r.built, r.solution.choice, allowed)
         if best is None or _better(r, best):
             best = r
-    if results is not None:
-        results.extend(tried)
     if best is None:
+        if results is not None:
+            results.extend(tried)
         lows = [(r.min_memory_bytes, r.mesh) for r in tried if r.min_memory_bytes is not None]
         if lows:
             low, mesh = min(lows, key=lambda t: t[0])
@@ -162,7 +255,55 @@ def plan_graph(
             f"no plan found within {options.solver_time_limit_s} s on meshes "
             f"{[r.mesh for r in tried]}; raise solver_time_limit_s."
         )
-    return write_plan(best, graph, cluster, limit)
+    if pipeline is not None:
+        replicas = 1
+        for a, size in best.mesh.items():
+            if (best.rename or {}).get(a, a) in BATCH_AXES:
+                replicas *= size
+        batch = max((gi.tensor.shape[0] for gi in graph.inputs if gi.role == "batch"), default=0)
+        per = batch // (m * replicas) if batch % (m * replicas) == 0 else None
+        pipeline = PipelinePlan(pipeline.stages, pipeline.schedule, m, microbatch_size=per)
+    plan = write_plan(best, graph, cluster, limit, pipeline)
+    plan = _polish(plan, best, tried, graph, cluster, options, limit, pipeline, accumulation)
+    if results is not None:
+        results.extend(tried)
+    return plan
+
+
+def _polish(
+    plan: Plan,
+    best: MeshResult,
+    tried: list[MeshResult],
+    graph: Graph,
+    cluster: Any,
+    options: SearchOptions,
+    limit: float,
+    pipeline: PipelinePlan | None,
+    accumulation: Any,
+) -> Plan:
+    """Solve the written plan's own problem (everything it pins fixed) and write the plan
+    from that solution, until its pins stop changing: what the plan leaves free (which
+    gather algorithm makes a pinned layout, ...) takes its cheapest choice, and the
+    prediction is exactly what ``evaluate_plan`` computes for the plan."""
+    for _ in range(_POLISH_ROUNDS):
+        bp, sol = complete_layouts(
+            graph,
+            plan,
+            cluster,
+            time_limit_s=options.solver_time_limit_s,
+            coarsen=options.coarsen,
+            accumulation=accumulation,
+        )
+        polished = MeshResult(dict(bp.ctx.mesh_dict), best.bound_s, bp, sol)
+        polished.evaluation = decode(bp, sol.choice, status=sol.status, memory_limit=limit)
+        polished.time_limit_s = best.time_limit_s
+        again = write_plan(polished, graph, cluster, limit, pipeline)
+        tried[tried.index(best)] = polished
+        best = polished
+        if again.activations == plan.activations:
+            return again
+        plan = again
+    return plan
 
 
 __all__ = [
@@ -170,6 +311,7 @@ __all__ = [
     "build_problem",
     "candidate_meshes",
     "expert_dims",
+    "microbatch_count",
     "offered_axes",
     "plan_graph",
 ]

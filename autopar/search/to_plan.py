@@ -31,7 +31,7 @@ from typing import Any
 
 import cost_models
 from autopar.axes import BATCH_AXES, axes_splitting
-from autopar.plan import LayerStrategy, Plan, TensorSharding
+from autopar.plan import LayerStrategy, PipelinePlan, Plan, TensorSharding
 from autopar.search.build.records import Op
 from autopar.search.evaluate import decode, pinned_activations, rename_spec
 from autopar.search.ilp import BuiltProblem
@@ -216,8 +216,16 @@ def _zero_stage(bp: BuiltProblem, choice: Sequence[int]) -> int:
     return 1 if uses("opt_state") else 0
 
 
-def write_plan(result: MeshResult, graph: Graph, cluster: Any, memory_limit: float | None) -> Plan:
-    """The plan of one solved mesh (``result.rename`` names its axes)."""
+def write_plan(
+    result: MeshResult,
+    graph: Graph,
+    cluster: Any,
+    memory_limit: float | None,
+    pipeline: PipelinePlan | None = None,
+) -> Plan:
+    """The plan of one solved mesh (``result.rename`` names its axes; ``graph``: the
+    step on its whole batch, whose inputs and outputs the plan describes; ``pipeline``:
+    its microbatching, if any)."""
     bp, choice = result.built, result.solution.choice
     rename = result.rename or {a: a for a in bp.ctx.mesh_dict}
     evaluation = decode(
@@ -247,6 +255,7 @@ def write_plan(result: MeshResult, graph: Graph, cluster: Any, memory_limit: flo
         ),
         activations=pinned_activations(bp, choice, rename),
         zero_stage=_zero_stage(bp, choice),
+        pipeline=pipeline,
         layers=_layers(bp, choice, rename),
         predicted=evaluation.to_predicted(),
         cluster=cluster.to_json(),

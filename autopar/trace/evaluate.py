@@ -123,20 +123,49 @@ def _run(graph: Graph, args: list[Any], hook: Hook | None, into: IntoBodies) -> 
         env[v] = c
     for v, a in zip(jaxpr.invars, args, strict=True):
         env[v] = a
+    run_equations(graph, env, hook=hook, into_bodies=into)
+    return [read_var(env, v) for v in jaxpr.outvars]
 
-    def read(a: Any) -> Any:
-        return a.val if isinstance(a, Literal) else env[a]
 
-    for node, eqn in zip(graph.nodes, jaxpr.eqns, strict=True):
-        invals = [read(a) for a in eqn.invars]
+def read_var(env: dict[Any, Any], a: Any) -> Any:
+    """The value of jaxpr atom ``a`` (a literal's value, else ``env[a]``)."""
+    return a.val if isinstance(a, Literal) else env[a]
+
+
+def run_equations(
+    graph: Graph,
+    env: dict[Any, Any],
+    eqns: Sequence[int] | None = None,
+    *,
+    hook: Hook | None = None,
+    into_bodies: IntoBodies = False,
+) -> dict[Any, Any]:
+    """Run some equations of ``graph.jaxpr`` (indices ``eqns``, in that order; default
+    all) on ``env`` (jaxpr variable -> value), writing their results into ``env``.
+
+    This is how a step is run in pieces: the gradient computation once per microbatch,
+    the update once (:mod:`autopar.lower.split`).
+
+    Example:
+        >>> g = autopar.trace(lambda x: jnp.sin(x) * 2, jnp.ones(3))
+        >>> env = {g.jaxpr.jaxpr.invars[0]: jnp.zeros(3)}
+        >>> env = run_equations(g, env)
+        >>> read_var(env, g.jaxpr.jaxpr.outvars[0])
+        Array([0., 0., 0.], dtype=float32)
+    """
+    jaxpr = graph.jaxpr.jaxpr
+    order = range(len(jaxpr.eqns)) if eqns is None else eqns
+    for k in order:
+        node, eqn = graph.nodes[k], jaxpr.eqns[k]
+        invals = [read_var(env, a) for a in eqn.invars]
         params = eqn.params
-        if hook is not None and _enters(node, into):
-            params = _hooked_params(node, params, hook, into)
+        if hook is not None and _enters(node, into_bodies):
+            params = _hooked_params(node, params, hook, into_bodies)
         outs = bind_equation(node, eqn, invals, params, hook)
         for v, o in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, DropVar):
                 env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+    return env
 
 
 def bind_equation(

@@ -98,9 +98,11 @@ class StrategyCatalog:
         op: Op,
         pinned: Mapping[int, Sharding] | None = None,
         whole: frozenset[int] = frozenset(),
+        reads: Mapping[int, Sharding] | None = None,
     ) -> list[OpStrategy]:
         """Every strategy ``op`` may take when it leads a group (``pinned``: result port
-        -> the layout the plan pins; ``whole``: an input's dims kept whole)."""
+        -> the layout the plan pins; ``whole``: an input's dims kept whole; ``reads``:
+        operand -> the layout the plan reads it in)."""
         if op.kind == "node":
             key = self.key(op)
             hit = self._enum.get(key)
@@ -108,6 +110,12 @@ class StrategyCatalog:
                 hit = self._enum[key] = enumerate_strategies(op.node, self.ctx, op.io)
             if pinned:
                 hit = [st for st in hit if all(st.outs[p] == s for p, s in pinned.items())]
+            if reads:
+                hit = [
+                    st
+                    for st in hit
+                    if all(k < len(st.ins) and st.ins[k] == s for k, s in reads.items())
+                ]
             return hit
         if op.kind == "input":
             out = []

@@ -34,7 +34,7 @@ Adam moments ``mu`` and ``nu`` (inputs 2 and 6) take one layout.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autopar.primitives import select
 from autopar.search.build.catalog import StrategyCatalog
@@ -58,6 +58,7 @@ class Coarse:
         envs: per scope, value id -> where it comes from (pins folded).
         output_refs: graph output index -> where it comes from (pins folded).
         restrict: leader op -> (result port -> pinned layout).
+        reads: leader op -> (operand -> the layout the plan reads it in).
         family: graph input index -> the input whose layout it shares.
         whole_dims: graph input index -> dims kept whole (unioned over a family).
     """
@@ -71,6 +72,7 @@ class Coarse:
     restrict: Mapping[int, Mapping[int, Sharding]]
     family: Mapping[int, int]
     whole_dims: Mapping[int, frozenset[int]]
+    reads: Mapping[int, Mapping[int, Sharding]] = field(default_factory=dict)
 
     @property
     def graph(self) -> Graph:
@@ -163,6 +165,7 @@ def coarsen(
     *,
     enabled: bool = True,
     tie_optimizer_state: bool = True,
+    operand_pins: Mapping[tuple[Scope, int, int], Sharding] | None = None,
 ) -> Coarse:
     """Fold pins, group the ops and pair parameters with their optimizer state
     (``enabled=False``: every op leads a group of its own)."""
@@ -188,8 +191,9 @@ def coarsen(
     groups = [
         GroupShape(i, tuple(m), f) for i, (m, f) in enumerate(zip(members, follows, strict=True))
     ]
-    # Reads of constants are free: drop them; a scan-body input's role is the role of the
-    # graph input its group starts from.
+    # Reads of constants are free: drop them; a scan-body input's (or a pin's) role is the
+    # role of the graph input the group it reads starts from (a pinned parameter is still
+    # a parameter: gathering it is an FSDP gather).
     out: list[Op] = []
     for op in ops:
         operands = tuple(r if r is None or r.op in where else None for r in op.operands)
@@ -197,10 +201,11 @@ def coarsen(
             op = replace(op, operands=operands)
         out.append(op)
     for i, op in enumerate(out):
-        if op.kind == "body_input" and op.operands[0] is not None:
+        if op.kind in ("body_input", "constraint") and op.operands[0] is not None:
             lead = out[groups[where[op.operands[0].op][0]].ops[0]]
             if lead.root_role != op.root_role:
                 out[i] = replace(op, root_role=lead.root_role)
+    reads = _fold_reads(out, where, restrict, catalog, operand_pins or {}, enabled)
     family, whole = _families(flat, catalog, tie_optimizer_state)
     return Coarse(
         flat,
@@ -212,6 +217,7 @@ def coarsen(
         restrict,
         family,
         whole,
+        reads,
     )
 
 
@@ -239,6 +245,33 @@ def _fold_pins(
             restrict.setdefault(src.index, {})[ref.port] = spec
             folded[op.index] = ref
     return ops, restrict, folded
+
+
+def _fold_reads(
+    ops: Sequence[Op],
+    where: Mapping[int, tuple[int, int]],
+    restrict: Mapping[int, Mapping[int, Sharding]],
+    catalog: StrategyCatalog,
+    pins: Mapping[tuple[Scope, int, int], Sharding],
+    coarsen_on: bool,
+) -> dict[int, dict[int, Sharding]]:
+    """A plan's operand pins (how an equation reads a value) restrict the strategies of
+    the group leader that reads it, when one of them reads it that way: a result layout
+    alone may be made several ways (gather the operand, or split the work and reduce)."""
+    if not pins:
+        return {}
+    out: dict[int, dict[int, Sharding]] = {}
+    for op in ops:
+        if op.kind != "node" or op.index not in where or where[op.index][1] != 0:
+            continue
+        mine = {
+            k: pins[(op.scope, op.node.id, k)]
+            for k in range(len(op.node.inputs))
+            if (op.scope, op.node.id, k) in pins
+        }
+        if mine and catalog.leader_strategies(op, restrict.get(op.index), reads=mine):
+            out[op.index] = mine
+    return out
 
 
 def _redirect(r: Ref, folded: Mapping[int, Ref]) -> Ref:

@@ -86,16 +86,21 @@ def scan_ok(node: Node) -> bool:
 
 
 def flatten(
-    graph: Graph, constraints: Mapping[tuple[Scope, int, int], Sharding] | None = None
+    graph: Graph,
+    constraints: Mapping[tuple[Scope, int, int], Sharding] | None = None,
+    repeat: Mapping[int, float] | None = None,
 ) -> Flat:
-    """Flatten ``graph`` (``constraints``: ``(scope, node id, output)`` -> pinned layout)."""
-    return _Flattener(graph, dict(constraints or {})).run()
+    """Flatten ``graph`` (``constraints``: ``(scope, node id, output)`` -> pinned layout;
+    ``repeat``: top-level node id -> how many times it runs per step, e.g. the gradient
+    computation once per microbatch)."""
+    return _Flattener(graph, dict(constraints or {}), dict(repeat or {})).run()
 
 
 class _Flattener:
-    def __init__(self, graph: Graph, constraints: dict) -> None:
+    def __init__(self, graph: Graph, constraints: dict, repeat: dict) -> None:
         self.graph = graph
         self.constraints = constraints
+        self.repeat = repeat
         self.ops: list[Op] = []
         self.envs: dict[Scope, dict[int, Ref]] = {}
         self.input_ops: dict[int, int] = {}
@@ -141,6 +146,8 @@ class _Flattener:
     def _walk(self, graph: Graph, scope: Scope, weight: float, env: dict[int, Ref]) -> None:
         io = hbm_io(graph)
         for node in graph.nodes:
+            if not scope and self.repeat:
+                weight = self.repeat.get(node.id, 1.0)
             if node.primitive == "scan" and scan_ok(node):
                 self._scan(node, scope, weight, env)
                 continue

@@ -120,7 +120,9 @@ class _Pricer:
 
     def _leader_strategies(self, op: Op) -> list[OpStrategy]:
         whole = self.coarse.whole(op.input.index) if op.input is not None else frozenset()
-        return self.catalog.leader_strategies(op, self.coarse.restrict.get(op.index), whole)
+        return self.catalog.leader_strategies(
+            op, self.coarse.restrict.get(op.index), whole, self.coarse.reads.get(op.index)
+        )
 
     def _strategy_cost(self, op: Op, st: OpStrategy) -> tuple[float, tuple[CombinedReduction, ...]]:
         """One execution's objective seconds (linear step time plus the completion
@@ -155,6 +157,7 @@ class _Pricer:
             return (
                 self.catalog.key(op),
                 tuple(sorted(self.coarse.restrict.get(op.index, {}).items())),
+                tuple(sorted(self.coarse.reads.get(op.index, {}).items())),
             )
         if op.kind in ("input", "output"):
             specs = self.catalog.input_specs(op.input, self.coarse.whole(op.input.index))

@@ -1,0 +1,402 @@
+"""Gradient accumulation from the user's plain step: split at the gradients, microbatch.
+
+A training step computes gradients (**G**: forward and backward, the loss) and then
+applies them (**U**: the optimizer's update of parameters and optimizer state). The
+tracer already labels the update's equations (phase ``optimizer``, found by data flow:
+work after the last backward equation that depends on it or feeds the new state), so the
+step splits there without markers. Running G once per microbatch and U once keeps the
+step's result exact when every value G hands over is a **sum or a mean over the batch**:
+
+* the step is traced twice, on the whole batch and on one microbatch (batch inputs'
+  leading dim divided by ``m``); both traces must have the same equations (a step whose
+  structure depends on its batch size cannot be microbatched);
+* a value whose traces differ by a scalar literal scaled by ``m`` (``jnp.mean``'s
+  divisor, and its transpose in the backward pass) is a **mean**: microbatch values are
+  averaged; one with no such literal in its computation is a **sum**: summed; one whose
+  leading dim shrinks by ``m`` (per-example outputs) is concatenated; one that does not
+  depend on the batch is taken once;
+* a reduction over the batch in the forward pass whose result feeds anything but linear
+  work (batch-norm statistics, a loss divided by a count computed from the batch, a max
+  over the batch) makes microbatching change the result: :class:`AccumulateError` names
+  the equation. So does an update that reads the batch itself.
+
+Gradients accumulate in float32 whatever their dtype (summing ``m`` bf16 gradients in
+bf16 would lose the low bits the full-batch step keeps).
+
+Example:
+    >>> acc = plan_accumulation(step, (state, batch), microbatches=4)
+    >>> acc.rules.count("mean") > 0, acc.microbatches
+    (True, 4)
+    >>> run = accumulated_function(acc)
+    >>> flat = jax.tree.leaves((state, batch))
+    >>> new_state, loss = jax.tree.unflatten(acc.full.out_tree, jax.jit(run)(*flat))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import DropVar
+from jax.extend.core import Literal as JaxLiteral
+
+from autopar.errors import LowerPlanError
+from autopar.trace.evaluate import Hook, IntoBodies, read_var, run_equations
+from autopar.trace.graph import Graph
+
+Rule = Literal["mean", "sum", "concat", "once"]
+
+_LINEAR = frozenset(
+    {
+        "reduce_sum",
+        "add",
+        "add_any",
+        "sub",
+        "neg",
+        "mul",
+        "div",
+        "convert_element_type",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "transpose",
+        "copy",
+        "copy_p",
+        "dot_general",
+        "select_n",
+        "pjit",
+    }
+)
+"""Work that keeps a sum over the batch a sum (``mul``/``div``/``dot_general``/``select_n``
+only by values that do not depend on the batch)."""
+
+_SCALING = frozenset({"mul", "div", "dot_general", "select_n"})
+
+
+class AccumulateError(LowerPlanError):
+    """The step cannot be microbatched without changing its result."""
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """How one step runs as ``microbatches`` gradient computations and one update.
+
+    Attributes:
+        microbatches: how many.
+        full: the step traced on the whole batch (its update equations run).
+        micro: the step traced on one microbatch (its gradient equations run).
+        gradient_eqns: equation indices of G (the same in both traces).
+        update_eqns: equation indices of U.
+        handoff: ``(equation, result)`` of every value G hands to U or to the outputs.
+        rules: how each handoff value combines over microbatches.
+        batch_inputs: flat input indices split into microbatches (leading dim).
+    """
+
+    microbatches: int
+    full: Graph
+    micro: Graph
+    gradient_eqns: tuple[int, ...]
+    update_eqns: tuple[int, ...]
+    handoff: tuple[tuple[int, int], ...]
+    rules: tuple[Rule, ...]
+    batch_inputs: tuple[int, ...]
+
+
+def microbatch_args(args: Sequence[Any], batch_inputs: Sequence[int], m: int) -> tuple:
+    """``args`` as abstract values with each batch leaf's leading dim divided by ``m``."""
+    leaves, tree = jax.tree_util.tree_flatten(tuple(args))
+    out = []
+    for i, x in enumerate(leaves):
+        shape, dtype = tuple(np.shape(x)), x.dtype
+        if i in batch_inputs:
+            shape = (shape[0] // m, *shape[1:])
+        out.append(jax.ShapeDtypeStruct(shape, dtype))
+    return tuple(jax.tree_util.tree_unflatten(tree, out))
+
+
+def plan_accumulation(
+    fn: Callable[..., Any], args: Sequence[Any], microbatches: int, *, full: Graph | None = None
+) -> Accumulation:
+    """Analyse ``fn(*args)`` for running its gradients in ``microbatches`` pieces.
+
+    Raises:
+        AccumulateError: no batch input, a batch not divisible by ``microbatches``, a step
+            whose equations change with the batch size, an update that reads the batch, or
+            a forward reduction over the batch that feeds non-linear work (the message
+            names it).
+    """
+    from autopar.trace import trace
+
+    m = int(microbatches)
+    if m < 1:
+        raise AccumulateError(f"microbatches={microbatches!r} must be an integer >= 1.")
+    full = full if full is not None else trace(fn, *args)
+    batch = tuple(gi.index for gi in full.inputs if gi.role == "batch")
+    if not batch:
+        raise AccumulateError(
+            "the step has no batch input to split into microbatches (inputs are found by "
+            "role: name the data argument 'batch' or pass it after the state)."
+        )
+    for i in batch:
+        gi = full.inputs[i]
+        if not gi.tensor.ndim or gi.tensor.shape[0] % m:
+            raise AccumulateError(
+                f"batch input {gi.path!r} has shape {gi.tensor.shape}: its leading dim must "
+                f"divide into {m} microbatches; pick microbatches dividing the batch."
+            )
+    micro = trace(fn, *microbatch_args(args, batch, m))
+    _same_structure(full, micro)
+    update, grads = _split(full)
+    producer = {v: (k, j) for k, n in enumerate(full.nodes) for j, v in enumerate(n.outputs)}
+    batch_values = {full.inputs[i].value for i in batch}
+    depends = _batch_dependent(full, batch_values)
+    upd = set(update)
+    handoff: dict[tuple[int, int], None] = {}
+    for k in update:
+        for v in full.nodes[k].inputs:
+            if v in batch_values:
+                raise AccumulateError(
+                    f"the update ({full.nodes[k].primitive} at {full.nodes[k].name_stack!r}) "
+                    "reads the batch itself; it cannot run once for several microbatches."
+                )
+            src = producer.get(v)
+            if src is not None and src[0] not in upd:
+                handoff[src] = None
+    for o in full.outputs:
+        src = producer.get(o.value)
+        if src is not None and src[0] not in upd:
+            handoff[src] = None
+    _check_forward_reductions(full, micro, grads, depends)
+    counts = _batch_count_nodes(full, micro, grads, m)
+    rules = tuple(_rule(full, micro, k, j, m, depends, counts) for k, j in handoff)
+    return Accumulation(m, full, micro, grads, update, tuple(handoff), rules, batch)
+
+
+def _split(graph: Graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(U, G): the update is the optimizer's equations and everything that reads their
+    results (the tracer's phase labels say where the update starts; data flow closes it:
+    Adam's step count is labelled optimizer, the bias correction that reads it is not)."""
+    made: set[int] = set()
+    update, grads = [], []
+    for k, n in enumerate(graph.nodes):
+        if n.phase == "optimizer" or any(v in made for v in n.inputs):
+            update.append(k)
+            made.update(n.outputs)
+        else:
+            grads.append(k)
+    return tuple(update), tuple(grads)
+
+
+def _same_structure(full: Graph, micro: Graph) -> None:
+    a = [n.primitive for n in full.nodes]
+    b = [n.primitive for n in micro.nodes]
+    if a != b:
+        first = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(b))
+        raise AccumulateError(
+            "the step's equations change with the batch size (first difference at equation "
+            f"{first}: {a[first] if first < len(a) else None!r} vs "
+            f"{b[first] if first < len(b) else None!r}); it cannot be microbatched."
+        )
+
+
+def _batch_dependent(graph: Graph, batch_values: set[int]) -> set[int]:
+    """Value ids that depend on the batch (top level)."""
+    dep = set(batch_values)
+    for n in graph.nodes:
+        if any(v in dep for v in n.inputs):
+            dep.update(n.outputs)
+    return dep
+
+
+def _check_forward_reductions(
+    full: Graph, micro: Graph, eqns: Sequence[int], depends: set[int]
+) -> None:
+    """A forward equation that reduces over the batch (its operands shrink with the
+    microbatch, its results do not) must feed only linear work."""
+    consumers = full.consumers
+    for k in eqns:
+        n, mn = full.nodes[k], micro.nodes[k]
+        if n.phase != "forward":
+            continue
+        ins_differ = any(
+            a.shape != b.shape for a, b in zip(n.in_tensors, mn.in_tensors, strict=True)
+        )
+        outs_same = all(
+            a.shape == b.shape for a, b in zip(n.out_tensors, mn.out_tensors, strict=True)
+        )
+        if not (ins_differ and outs_same and n.outputs):
+            continue
+        where = f"{n.primitive} at {n.name_stack or 'top level'!r} (equation {k})"
+        if n.primitive not in ("reduce_sum", "dot_general"):
+            raise AccumulateError(
+                f"{where} reduces over the batch with {n.primitive}: the step is not a sum or "
+                "mean over examples, so microbatching would change it."
+            )
+        # Everything downstream in the forward pass must stay linear.
+        stack = list(n.outputs)
+        seen: set[int] = set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            for c in consumers.get(v, ()):
+                cn = full.nodes[c] if isinstance(c, int) else c
+                if cn.phase != "forward":
+                    continue
+                if cn.primitive not in _LINEAR or (
+                    cn.primitive in _SCALING and sum(1 for u in cn.inputs if u in depends) > 1
+                ):
+                    raise AccumulateError(
+                        f"{where} reduces over the batch, and its result feeds "
+                        f"{cn.primitive} at {cn.name_stack or 'top level'!r}: statistics over "
+                        "the batch (batch norm, a loss divided by a count taken from the "
+                        "batch) change when the batch is split into microbatches."
+                    )
+                stack.extend(cn.outputs)
+
+
+def _literals(graph: Graph, k: int) -> list[float]:
+    eqn = graph.jaxpr.jaxpr.eqns[k]
+    out = []
+    for a in eqn.invars:
+        if isinstance(a, JaxLiteral) and np.ndim(a.val) == 0:
+            out.append(float(a.val))
+    return out
+
+
+def _batch_count_nodes(full: Graph, micro: Graph, eqns: Sequence[int], m: int) -> set[int]:
+    """Equations with a scalar literal that scales with the batch size (a mean's divisor
+    ``B`` or its inverse ``1/B``)."""
+    out = set()
+    for k in eqns:
+        a, b = _literals(full, k), _literals(micro, k)
+        for x, y in zip(a, b, strict=False):
+            if x != y and y and (np.isclose(x, m * y) or np.isclose(x * m, y)):
+                out.add(k)
+    return out
+
+
+def _rule(
+    full: Graph, micro: Graph, k: int, j: int, m: int, depends: set[int], counts: set[int]
+) -> Rule:
+    t_full, t_micro = full.nodes[k].out_tensors[j], micro.nodes[k].out_tensors[j]
+    if t_full.shape != t_micro.shape:
+        if (
+            t_full.ndim
+            and t_full.shape[0] == m * t_micro.shape[0]
+            and t_full.shape[1:] == t_micro.shape[1:]
+        ):
+            return "concat"
+        raise AccumulateError(
+            f"{full.nodes[k].primitive} at {full.nodes[k].name_stack!r} hands the update a "
+            f"value of shape {t_full.shape} that is {t_micro.shape} per microbatch; only sums, "
+            "means and per-example (leading-dim) values can be combined."
+        )
+    if full.nodes[k].outputs[j] not in depends:
+        return "once"
+    # Does the value's computation hold a batch-count literal?
+    producer = {v: kk for kk, n in enumerate(full.nodes) for v in n.outputs}
+    stack, seen = [k], set()
+    while stack:
+        kk = stack.pop()
+        if kk in seen:
+            continue
+        seen.add(kk)
+        if kk in counts:
+            return "mean"
+        stack.extend(producer[v] for v in full.nodes[kk].inputs if v in producer)
+    return "sum"
+
+
+def accumulated_function(
+    acc: Accumulation, hook: Hook | None = None, into_bodies: IntoBodies = False
+) -> Callable[..., list[Any]]:
+    """``run(*flat_args) -> flat outputs``: G over each microbatch (a ``lax.scan``), the
+    combined values, then U once; ``hook`` as in :func:`autopar.trace.evaluate_inlined`
+    (applied to both, node by node: equation ``k`` is the same in both traces)."""
+    m = acc.microbatches
+    full_j, micro_j = acc.full.jaxpr, acc.micro.jaxpr
+    batch = set(acc.batch_inputs)
+
+    def outvar(graph_jaxpr: Any, k: int, j: int) -> Any:
+        return graph_jaxpr.jaxpr.eqns[k].outvars[j]
+
+    def run(*flat: Any) -> list[Any]:
+        if hook is not None and hasattr(hook, "reset"):
+            hook.reset()
+        split = {i: flat[i].reshape((m, flat[i].shape[0] // m, *flat[i].shape[1:])) for i in batch}
+
+        def body(carry: tuple, xs: tuple) -> tuple:
+            i, mbs = xs
+            if hook is not None and hasattr(hook, "reset"):
+                hook.reset()  # nothing a hook keeps may leak out of the loop body
+            env: dict[Any, Any] = dict(zip(micro_j.jaxpr.constvars, micro_j.consts, strict=True))
+            it = iter(mbs)
+            for n, v in enumerate(micro_j.jaxpr.invars):
+                env[v] = next(it) if n in batch else flat[n]
+            run_equations(acc.micro, env, acc.gradient_eqns, hook=hook, into_bodies=into_bodies)
+            new, ys = [], []
+            for (k, j), rule, c in zip(acc.handoff, acc.rules, carry, strict=True):
+                v = read_var(env, outvar(micro_j, k, j))
+                if rule in ("mean", "sum"):
+                    new.append(c + v.astype(c.dtype))
+                elif rule == "once":
+                    new.append(jnp.where(i == 0, v, c))
+                else:
+                    new.append(c)
+                    ys.append(v)
+            return tuple(new), tuple(ys)
+
+        init = []
+        for (k, j), rule in zip(acc.handoff, acc.rules, strict=True):
+            t = acc.micro.nodes[k].out_tensors[j]
+            dt = _accumulator_dtype(t.dtype) if rule in ("mean", "sum") else t.dtype
+            init.append(jnp.zeros(t.shape, dt) if rule != "concat" else jnp.zeros((), jnp.float32))
+        mbs = tuple(split[i] for i in sorted(batch))
+        carry, ys = jax.lax.scan(body, tuple(init), (jnp.arange(m), mbs))
+        if hook is not None and hasattr(hook, "reset"):
+            hook.reset()
+        env = dict(zip(full_j.jaxpr.constvars, full_j.consts, strict=True))
+        env.update(zip(full_j.jaxpr.invars, flat, strict=True))
+        it = iter(ys)
+        for (k, j), rule, c in zip(acc.handoff, acc.rules, carry, strict=True):
+            t = acc.full.nodes[k].out_tensors[j]
+            if rule == "mean":
+                val = (c / m).astype(t.dtype)
+            elif rule == "sum":
+                val = c.astype(t.dtype)
+            elif rule == "once":
+                val = c
+            else:
+                y = next(it)
+                val = y.reshape(t.shape)
+            var = outvar(full_j, k, j)
+            if not isinstance(var, DropVar):
+                env[var] = val
+        run_equations(acc.full, env, acc.update_eqns, hook=hook, into_bodies=into_bodies)
+        return [read_var(env, v) for v in full_j.jaxpr.outvars]
+
+    return run
+
+
+def _accumulator_dtype(dtype: str) -> Any:
+    d = np.dtype(dtype) if dtype != "bfloat16" else jnp.bfloat16
+    if jnp.issubdtype(d, jnp.floating) and jnp.finfo(d).bits < 32:
+        return jnp.float32
+    return d
+
+
+__all__ = [
+    "AccumulateError",
+    "Accumulation",
+    "Rule",
+    "accumulated_function",
+    "microbatch_args",
+    "plan_accumulation",
+]
