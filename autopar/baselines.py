@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -448,6 +448,76 @@ def fallbacks(plan: Plan) -> tuple[tuple[str, str], ...]:
     return ()
 
 
+def pipeline(
+    fn: Any,
+    mesh: Any,
+    *args: Any,
+    microbatches: int,
+    schedule: str = "1f1b",
+    stages: Sequence[tuple[int, int]] | None = None,
+) -> Plan:
+    """Pipeline parallelism over the mesh's ``pipe`` axis, data parallel over the rest.
+
+    The step's layers (found in the graph, not by name) are split into ``pipe`` stages of
+    equal size (or the ``[start, stop)`` ``stages`` given); a scanned layer stack and its
+    optimizer state are sharded over ``pipe`` on the layer dim (each stage holds its
+    layers), the batch over the other axes; the batch is split into ``microbatches``
+    that run in ``schedule`` (``"gpipe"`` or ``"1f1b"``).
+
+    Example:
+        >>> from benchmarks.models.gpt import GPTConfig, make_train_step
+        >>> gstep, (gstate, gbatch) = make_train_step(GPTConfig.preset("tiny"), 8)
+        >>> plan = pipeline(gstep, {"pipe": 2, "data": 4}, gstate, gbatch, microbatches=2)
+        >>> plan.pipeline.stages, plan.pipeline.microbatches, plan.input("batch/tokens").spec
+        (((0, 1), (1, 2)), 2, ('data', None))
+    """
+    from autopar.axes import batch_axes
+    from autopar.lower.pipeline import cut_stages
+    from autopar.lower.split import even_stages, gradient_graph, plan_accumulation
+    from autopar.plan import PipelinePlan
+    from autopar.trace import trace
+
+    mesh_d = _mesh_dict(mesh)
+    p = mesh_d.get("pipe", 1)
+    if p < 2:
+        raise InvalidOptionError(f"mesh {mesh_d} needs a 'pipe' axis of size >= 2 to pipeline.")
+    if not callable(fn) or hasattr(fn, "nodes"):
+        raise InvalidOptionError(
+            "pipeline() re-traces the step on one microbatch: pass the step function and its "
+            "arguments, not a traced graph."
+        )
+    graph = trace(fn, *args)
+    acc = plan_accumulation(fn, args, microbatches, full=graph)
+    ggraph = gradient_graph(acc, args)
+    stages = tuple(stages) if stages is not None else even_stages(len(ggraph.layers), p)
+    cut = cut_stages(ggraph, stages, batch_inputs=acc.batch_inputs)
+    data = tuple(a for a in batch_axes(mesh_d) if a != "pipe")
+    plan = _build(graph, mesh_d, (), name=f"pipeline-{schedule}", batch_axes=data)
+    stacked = set(cut.stacked_inputs)
+    from autopar.search.build.coarsen import match_optimizer_state
+
+    for param, states in match_optimizer_state(graph).items():
+        if param in stacked:
+            stacked.update(states)
+
+    def on_pipe(rec: TensorSharding) -> TensorSharding:
+        spec = list(rec.spec)
+        first = spec[0]
+        axes = () if first is None else ((first,) if isinstance(first, str) else tuple(first))
+        spec[0] = _entry(("pipe", *axes))
+        return replace(rec, spec=tuple(spec))
+
+    inputs = tuple(on_pipe(r) if i in stacked else r for i, r in enumerate(plan.inputs))
+    moved = {graph.inputs[i].output_index for i in stacked} - {None}
+    outputs = tuple(on_pipe(r) if j in moved else r for j, r in enumerate(plan.outputs))
+    return replace(
+        plan,
+        inputs=inputs,
+        outputs=outputs,
+        pipeline=PipelinePlan(stages, schedule, microbatches),
+    ).bind(graph.in_tree, graph.out_tree)
+
+
 __all__ = [
     "COLUMN_NAMES",
     "ROW_NAMES",
@@ -457,5 +527,6 @@ __all__ = [
     "expert_parallel",
     "fallbacks",
     "megatron",
+    "pipeline",
     "zero",
 ]

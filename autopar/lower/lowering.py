@@ -493,11 +493,7 @@ def lower_plan(
         ((), True)
     """
     args = tuple(args)
-    if plan.pipeline is not None and plan.pipeline.num_stages > 1:
-        raise LowerPlanError(
-            f"the plan has {plan.pipeline.num_stages} pipeline stages; this lowering handles "
-            "SPMD plans only (pipeline_stages=1). Re-plan with SearchOptions(pipeline_stages=1)."
-        )
+    stages = plan.pipeline.num_stages if plan.pipeline is not None else 1
     microbatches = plan.pipeline.microbatches if plan.pipeline is not None else 1
     remat = check_policy(plan.remat)
     remat_outside = remat != "none" and options.extra.get("remat") != "in_model"
@@ -544,7 +540,18 @@ def lower_plan(
                 "(or LoweringOptions(activation_constraints=False) to drop them)."
             )
         body = _interpreted(graph, constraints, mesh, out_tree, late=_late(graph, plan, options))
-    if microbatches > 1:
+    if stages > 1:
+        if remat_outside:
+            raise LowerPlanError(
+                f"remat={remat!r} in a pipeline is not available yet; use remat='none'."
+            )
+        if "pipe" not in mesh.shape or mesh.shape["pipe"] != stages:
+            raise LowerPlanError(
+                f"the plan has {stages} pipeline stages but its mesh {dict(plan.mesh)} has no "
+                f"'pipe' axis of {stages} devices."
+            )
+        body = _pipelined(bound, dyn, graph, plan, mesh, out_tree)
+    elif microbatches > 1:
         if remat_outside:
             raise LowerPlanError(
                 f"remat={remat!r} with {microbatches} microbatches is not available yet; "
@@ -673,6 +680,28 @@ def _interpreted(
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return run
+
+
+def _pipelined(
+    fn: Callable[..., Any], dyn: Sequence[Any], graph: Any, plan: Plan, mesh: Mesh, out_tree: Any
+) -> Callable[..., Any]:
+    """The step with its gradients computed by a pipeline over ``pipe`` (stages, schedule
+    and microbatches from ``plan.pipeline``) and its update applied once
+    (:func:`autopar.lower.split.pipelined_function`). Inside the stages, the other mesh
+    axes are left to XLA's propagation from the plan's input layouts."""
+    from autopar.lower.split import pipelined_function, plan_accumulation
+    from autopar.trace import trace
+
+    pp = plan.pipeline
+    if graph is None or getattr(graph, "jaxpr", None) is None or not hasattr(graph, "nodes"):
+        graph = trace(fn, *dyn)
+    acc = plan_accumulation(fn, dyn, pp.microbatches, full=graph)
+    run = pipelined_function(acc, dyn, pp.stages, pp.schedule, mesh, pp.virtual_stages)
+
+    def step(*dyn_args: Any) -> Any:
+        return jax.tree_util.tree_unflatten(out_tree, run(*jax.tree_util.tree_leaves(dyn_args)))
+
+    return step
 
 
 def _accumulated(

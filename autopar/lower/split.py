@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -95,6 +96,7 @@ class Accumulation:
         handoff: ``(equation, result)`` of every value G hands to U or to the outputs.
         rules: how each handoff value combines over microbatches.
         batch_inputs: flat input indices split into microbatches (leading dim).
+        fn: the step function (its signature names the inputs' roles when G is traced).
     """
 
     microbatches: int
@@ -105,6 +107,7 @@ class Accumulation:
     handoff: tuple[tuple[int, int], ...]
     rules: tuple[Rule, ...]
     batch_inputs: tuple[int, ...]
+    fn: Callable[..., Any] | None = None
 
 
 def microbatch_args(args: Sequence[Any], batch_inputs: Sequence[int], m: int) -> tuple:
@@ -174,7 +177,7 @@ def plan_accumulation(
     _check_forward_reductions(full, micro, grads, depends)
     counts = _batch_count_nodes(full, micro, grads, m)
     rules = tuple(_rule(full, micro, k, j, m, depends, counts) for k, j in handoff)
-    return Accumulation(m, full, micro, grads, update, tuple(handoff), rules, batch)
+    return Accumulation(m, full, micro, grads, update, tuple(handoff), rules, batch, fn)
 
 
 def _split(graph: Graph) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -392,11 +395,119 @@ def _accumulator_dtype(dtype: str) -> Any:
     return d
 
 
+# ----------------------------------------------------------------------------- pipelines
+
+
+def gradient_function(acc: Accumulation) -> Callable[..., tuple]:
+    """G as a function of the step's own arguments (one microbatch): returns the values
+    G hands to the update and the outputs, in ``acc.handoff`` order. Tracing it
+    (:func:`gradient_graph`) keeps every equation's name stack, so layers are found as
+    in the step."""
+    micro_j = acc.micro.jaxpr
+
+    def g(*args: Any) -> tuple:
+        flat = jax.tree_util.tree_leaves(args)
+        env: dict[Any, Any] = dict(zip(micro_j.jaxpr.constvars, micro_j.consts, strict=True))
+        env.update(zip(micro_j.jaxpr.invars, flat, strict=True))
+        run_equations(acc.micro, env, acc.gradient_eqns)
+        return tuple(read_var(env, micro_j.jaxpr.eqns[k].outvars[j]) for k, j in acc.handoff)
+
+    if acc.fn is not None:
+        # The step's parameter names (``state``, ``batch``) tell the tracer the roles.
+        functools.update_wrapper(g, acc.fn)
+    return g
+
+
+def gradient_graph(acc: Accumulation, args: Sequence[Any]) -> Graph:
+    """:func:`gradient_function` traced on one microbatch of ``args`` (the step's
+    arguments): the graph a pipeline cuts into stages."""
+    from autopar.trace.api import graph_from_jaxpr
+
+    g = gradient_function(acc)
+    micro = microbatch_args(args, acc.batch_inputs, acc.microbatches)
+    closed, out_shape = jax.make_jaxpr(g, return_shape=True)(*micro)
+    roles = [gi.role for gi in acc.full.inputs]
+    return graph_from_jaxpr(
+        closed, out_shape, fn=g, args=tuple(micro), kwargs={}, input_roles=roles
+    )
+
+
+def even_stages(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """``[start, stop)`` layer ranges splitting ``num_layers`` into ``num_stages`` equal
+    parts (the first stages take one more when it does not divide).
+
+    Example:
+        >>> even_stages(8, 2), even_stages(5, 2)
+        (((0, 4), (4, 8)), ((0, 3), (3, 5)))
+    """
+    if num_stages < 1 or num_layers < num_stages:
+        raise AccumulateError(
+            f"{num_layers} layers cannot be split into {num_stages} pipeline stages; use at "
+            f"most {num_layers} stages."
+        )
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        stop = start + base + (1 if s < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return tuple(out)
+
+
+def pipelined_function(
+    acc: Accumulation,
+    args: Sequence[Any],
+    stages: Sequence[tuple[int, int]],
+    schedule: str,
+    mesh: Any,
+    virtual_stages: int = 1,
+) -> Callable[..., list[Any]]:
+    """``run(*flat_args) -> flat outputs``: G pipelined over the mesh's ``pipe`` axis
+    (:func:`autopar.lower.pipeline.pipelined_gradients`, stages cut from
+    :func:`gradient_graph` at the layer ranges ``stages``), combined as the rules say,
+    then U once on the whole batch."""
+    from autopar.lower.pipeline import cut_stages, pipelined_gradients
+
+    for (k, _), rule in zip(acc.handoff, acc.rules, strict=True):
+        if rule == "concat":
+            raise AccumulateError(
+                f"{acc.full.nodes[k].primitive} at {acc.full.nodes[k].name_stack!r} is a "
+                "per-example output; a pipeline returns sums and means only."
+            )
+    graph = gradient_graph(acc, args)
+    cut = cut_stages(graph, stages, batch_inputs=acc.batch_inputs)
+    pipe = pipelined_gradients(cut, schedule, acc.microbatches, mesh, virtual_stages)
+    m = acc.microbatches
+    full_j = acc.full.jaxpr
+
+    def run(*flat: Any) -> list[Any]:
+        tree = acc.full.in_tree
+        args_ = jax.tree_util.tree_unflatten(tree, list(flat))[0] if tree is not None else flat
+        sums = jax.tree_util.tree_leaves(pipe(*args_))
+        env = dict(zip(full_j.jaxpr.constvars, full_j.consts, strict=True))
+        env.update(zip(full_j.jaxpr.invars, flat, strict=True))
+        for (k, j), rule, v in zip(acc.handoff, acc.rules, sums, strict=True):
+            t = acc.full.nodes[k].out_tensors[j]
+            val = v / m if rule in ("mean", "once") else v
+            var = full_j.jaxpr.eqns[k].outvars[j]
+            if not isinstance(var, DropVar):
+                env[var] = val.astype(t.dtype)
+        run_equations(acc.full, env, acc.update_eqns)
+        return [read_var(env, v) for v in full_j.jaxpr.outvars]
+
+    run.cut = cut  # type: ignore[attr-defined]
+    return run
+
+
 __all__ = [
     "AccumulateError",
     "Accumulation",
     "Rule",
     "accumulated_function",
+    "even_stages",
+    "gradient_function",
+    "gradient_graph",
     "microbatch_args",
+    "pipelined_function",
     "plan_accumulation",
 ]

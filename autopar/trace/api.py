@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -87,8 +87,13 @@ def graph_from_jaxpr(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    input_roles: Sequence[str] | None = None,
 ) -> Graph:
-    """Build the :class:`Graph` of an already traced ``jax.make_jaxpr(fn)(*args, **kwargs)``."""
+    """Build the :class:`Graph` of an already traced ``jax.make_jaxpr(fn)(*args, **kwargs)``.
+
+    ``input_roles`` (one per flat input) replaces the roles the data flow would give: a piece of
+    a step (its gradient computation alone, :mod:`autopar.lower.split`) keeps the roles
+    its inputs have in the whole step."""
     inlined = inline_jaxpr(closed)
     raw = scan_jaxpr(inlined)
     in_tree = jax.tree_util.tree_structure((tuple(args), dict(kwargs)))
@@ -117,6 +122,8 @@ def graph_from_jaxpr(
         phases=phases,
         tainted=tainted,
     )
+    if input_roles is not None:
+        roles = [(r, None) for r in input_roles]
     inputs = [
         GraphInput(i, vid, path_str(in_paths[i]), in_tensors[i], role, out_idx)
         for i, (vid, (role, out_idx)) in enumerate(zip(raw.invars, roles, strict=True))
