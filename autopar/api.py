@@ -107,6 +107,9 @@ def _plan_graph(
     from autopar.search.planner import microbatch_count
 
     m = microbatch_count(graph, options)
+    pipe = (options.mesh or {}).get("pipe", 1)
+    if pipe > 1 and not isinstance(fn, Graph):
+        return _plan_pipeline(fn, args, graph, cluster, options, m if m > 1 else 2 * pipe)
     acc = None
     if m > 1:
         if isinstance(fn, Graph):
@@ -116,6 +119,52 @@ def _plan_graph(
             )
         acc = _accumulation(fn, args, graph, m)
     return plan_graph(graph, cluster, options, accumulation=acc)
+
+
+def _plan_pipeline(
+    fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions, m: int
+) -> Plan:
+    """A pipeline plan for a mesh with a ``pipe`` axis (the simple search of this version):
+    layers split evenly over the stages, data parallel over the other axes, the options'
+    schedule (1F1B by default) and microbatches (``2 * pipe`` by default), priced by
+    :func:`autopar.search.stages.evaluate_pipeline`."""
+    from dataclasses import replace
+
+    import cost_models
+    from autopar import baselines
+    from autopar.search.stages import evaluate_pipeline
+
+    if (options.virtual_stages or 1) > 1 or options.schedule not in (None, "gpipe", "1f1b"):
+        raise InvalidOptionError(
+            f"schedule={options.schedule!r}, virtual_stages={options.virtual_stages}: this "
+            "version pipelines with 'gpipe' or '1f1b' and one stage per device; interleaved "
+            "and zero-bubble schedules are not available yet."
+        )
+    if options.remat not in (None, "none"):
+        raise InvalidOptionError(
+            f"remat={options.remat!r} in a pipeline is not available yet; use None or 'none'."
+        )
+    plan = baselines.pipeline(
+        fn, options.mesh, *args, microbatches=m, schedule=options.schedule or "1f1b"
+    )
+    acc = _accumulation(fn, args, graph, m)
+    limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
+    ev = evaluate_pipeline(graph, plan, cluster, acc, memory_limit_bytes=limit)
+    if not ev.fits:
+        from autopar.errors import InfeasiblePlanError
+
+        raise InfeasiblePlanError(
+            f"the pipeline plan needs {ev.memory_bytes_per_device:.4g} bytes per device, "
+            f"{ev.memory_bytes_per_device - limit:.4g} bytes ({ev.memory_bytes_per_device / limit - 1:.1%}) "
+            f"over the bound of {limit:.4g}; use more stages, more microbatches (1F1B) or a "
+            "larger memory_limit_bytes."
+        )
+    return replace(
+        plan,
+        predicted=ev.to_predicted(),
+        cluster=cluster.to_json(),
+        cost_model_version=cost_models.COST_MODEL_VERSION,
+    )
 
 
 def _finish_plan(p: Plan, graph: Graph) -> Plan:
@@ -158,6 +207,15 @@ def evaluate(
     if m > 1 and not isinstance(fn_or_graph, Graph):
         fn, a = _positional(fn_or_graph, args, kwargs) if kwargs else (fn_or_graph, args)
         acc = _accumulation(fn, a, graph, m)
+    if plan.pipeline is not None and plan.pipeline.num_stages > 1:
+        from autopar.search.stages import evaluate_pipeline
+
+        if acc is None:
+            raise InvalidOptionError(
+                "a pipeline plan is scored from the step function: "
+                "autopar.evaluate(fn, plan, cluster, *args)."
+            )
+        return evaluate_pipeline(graph, plan, _resolve_cluster(cluster), acc)
     return evaluate_plan(graph, plan, _resolve_cluster(cluster), accumulation=acc)
 
 

@@ -107,7 +107,7 @@ class Evaluation:
             compute_s=self.compute_s,
             communication_s=self.communication_s,
             exposed_communication_s=self.exposed_communication_s,
-            bubble_s=0.0,
+            bubble_s=float(self.extra.get("bubble_s", 0.0)),
             memory_bytes_per_device=self.memory_bytes_per_device,
             memory_breakdown=dict(self.memory_breakdown),
             flops_per_device=self.flops_per_device,

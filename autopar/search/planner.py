@@ -71,9 +71,10 @@ def _check(options: SearchOptions, cluster: Any) -> None:
         )
     if options.mesh is not None and options.mesh.get("pipe", 1) > 1:
         raise InvalidOptionError(
-            f"mesh {dict(options.mesh)} has a 'pipe' axis of {options.mesh['pipe']}: "
-            "pipelining is not available yet; drop the 'pipe' axis (microbatches alone "
-            "accumulate gradients)."
+            f"mesh {dict(options.mesh)} has a 'pipe' axis of {options.mesh['pipe']}: a "
+            "pipeline re-traces the step on one microbatch, so plan the step function with "
+            "autopar.plan(fn, *args, options=...), not a traced graph (the intra-op search "
+            "alone does not pipeline)."
         )
     if options.axes is not None and "pipe" in options.axes:
         raise InvalidOptionError(

@@ -226,9 +226,11 @@ def test_bad_microbatch_options_are_refused():
         autopar.plan(step, *args, cluster=EIGHT, options=SearchOptions(microbatch_size=2))
     with pytest.raises(InvalidOptionError, match="step function"):
         autopar.plan(g, cluster=EIGHT, options=SearchOptions(microbatches=2))
-    # Pipelining options are refused until pipelines run, never ignored.
+    # A pipeline is planned from the step function, never from a graph alone.
+    with pytest.raises(InvalidOptionError, match="re-traces the step"):
+        autopar.plan(g, cluster=EIGHT, options=SearchOptions(mesh={"pipe": 2, "data": 4}))
+    # Pipelining options without a pipe axis are refused, never ignored.
     for opts in (
-        SearchOptions(mesh={"pipe": 2, "data": 4}),
         SearchOptions(mesh={"data": 8}, schedule="1f1b"),
         SearchOptions(virtual_stages=2),
     ):

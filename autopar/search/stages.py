@@ -1,0 +1,336 @@
+"""Pricing a pipeline plan: stage work, the schedule's bubble, stage-to-stage sends, memory.
+
+A pipeline plan (``plan.pipeline`` with ``p > 1`` stages over the ``pipe`` axis) is
+priced in four steps, each from a model the rest of the search already uses:
+
+1. **Inside a stage** the other mesh axes are intra-op parallel: the step on one
+   microbatch is completed on the sub-mesh without ``pipe`` with the plan's layouts
+   (``pipe`` struck out), by the same problem :func:`evaluate_plan` solves, and every op
+   is priced by :mod:`autopar.search.pricing` (compute and its own collectives, reshards).
+2. **Stages.** Each op's seconds go to a stage: an op of a layer to the stage holding that
+   layer (``plan.pipeline.stages``), a scan over layers split by each stage's share of
+   its iterations, unlabelled forward work to the stage of the layer before it (the
+   embedding to the first stage), unlabelled backward work to the stage of the layer
+   after it (the head's backward to the last stage). That gives per-stage forward and
+   backward seconds of one microbatch.
+3. **Schedule.** ``cost_models.simulate_schedule`` runs the schedule (GPipe, 1F1B) op by
+   op with those stage times and the time to send one boundary activation between
+   neighbours (``p2p`` over the ``pipe`` axis): its makespan is the pipeline's time and
+   ``makespan - busiest stage's work`` its bubble. The update runs once after the flush
+   (its ops priced as in 1); parameters replicated over ``pipe`` (everything but a
+   scanned layer stack) have their gradients all-reduced over ``pipe`` first.
+4. **Memory** per device: the stage's share of parameters, optimizer state and
+   accumulators (a scanned stack is split over ``pipe``, the rest replicated), plus
+   its share of one microbatch's activations times the schedule's in-flight
+   microbatches on that stage (GPipe ``m``, 1F1B ``p - s``).
+
+The step time reported is the makespan plus the update, the exposed gradient all-reduce
+and the compute of the update; its parts are in ``Evaluation.extra``.
+
+Example:
+    >>> from benchmarks.models.gpt import GPTConfig, make_train_step
+    >>> gstep, gargs = make_train_step(GPTConfig.preset("tiny"), 8)
+    >>> plan = autopar.baselines.pipeline(gstep, {"pipe": 2, "data": 4}, *gargs, microbatches=4)
+    >>> ev = autopar.evaluate(gstep, plan, cluster, *gargs)
+    >>> ev.extra["bubble_s"] > 0, ev.step_time_s > ev.compute_s
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import cost_models
+from autopar.errors import LoadPlanError
+from autopar.plan import PipelinePlan, Plan, PredictedCollective, TensorSharding
+from autopar.search.evaluate import Evaluation, complete_layouts
+from autopar.search.pricing import (
+    price_reshard,
+    price_strategy,
+    reshard_linear_s,
+)
+from autopar.trace.graph import Graph
+
+
+def _strip(rec: TensorSharding, axis: str) -> TensorSharding:
+    spec = []
+    for e in rec.spec:
+        axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+        keep = tuple(a for a in axes if a != axis)
+        spec.append(None if not keep else (keep[0] if len(keep) == 1 else keep))
+    return dataclasses.replace(rec, spec=tuple(spec))
+
+
+def _on_pipe(rec: TensorSharding, axis: str) -> bool:
+    return any(
+        e == axis or (isinstance(e, tuple | list) and axis in e) for e in rec.spec if e is not None
+    )
+
+
+def node_stages(graph: Graph, stages: Sequence[tuple[int, int]]) -> dict[int, list[float]]:
+    """Top-level node id -> share of its work per stage (lists of ``len(stages)``)."""
+    p = len(stages)
+    stage_of_layer = {}
+    for s, (a, b) in enumerate(stages):
+        for layer in range(a, b):
+            stage_of_layer[layer] = s
+    # A scan over layers: its iterations are graph layers sharing the loop's nodes.
+    scan_share: dict[int, list[float]] = {}
+    for layer in graph.layers:
+        if layer.kind == "scan":
+            for nid in layer.nodes:
+                share = scan_share.setdefault(nid, [0.0] * p)
+                share[stage_of_layer.get(layer.index, 0)] += 1.0
+    out: dict[int, list[float]] = {}
+    current = 0
+    for n in graph.nodes:  # forward: unlabelled work goes with the layer before it
+        if n.phase == "backward":
+            continue
+        if n.id in scan_share:
+            tot = sum(scan_share[n.id])
+            out[n.id] = [x / tot for x in scan_share[n.id]]
+            current = max(s for s, x in enumerate(out[n.id]) if x)
+            continue
+        if n.layer is not None and n.layer in stage_of_layer:
+            current = stage_of_layer[n.layer]
+        share = [0.0] * p
+        share[current] = 1.0
+        out[n.id] = share
+    current = p - 1
+    for n in graph.nodes:  # backward: unlabelled work goes with the layer after it
+        if n.phase != "backward":
+            continue
+        if n.id in scan_share:
+            tot = sum(scan_share[n.id])
+            out[n.id] = [x / tot for x in scan_share[n.id]]
+            current = min(s for s, x in enumerate(out[n.id]) if x)
+            continue
+        if n.layer is not None and n.layer in stage_of_layer:
+            current = stage_of_layer[n.layer]
+        share = [0.0] * p
+        share[current] = 1.0
+        out[n.id] = share
+    return out
+
+
+def evaluate_pipeline(
+    graph: Graph,
+    plan: Plan,
+    cluster: Any,
+    accumulation: Any,
+    *,
+    time_limit_s: float = 60.0,
+    memory_limit_bytes: float | None = None,
+    pipe_axis: str = "pipe",
+) -> Evaluation:
+    """Price a pipeline plan (see the module docstring).
+
+    Args:
+        graph: the step traced on its whole batch.
+        plan: a plan with ``plan.pipeline.num_stages > 1`` over ``pipe_axis``.
+        cluster: a ``cost_models.Cluster``.
+        accumulation: the step analysed for the plan's microbatches
+            (:func:`autopar.lower.split.plan_accumulation`).
+
+    Raises:
+        LoadPlanError: the plan's mesh has no ``pipe`` axis of the plan's stage count.
+    """
+    pp = plan.pipeline
+    p, m = pp.num_stages, pp.microbatches
+    if plan.mesh.get(pipe_axis, 1) != p:
+        raise LoadPlanError(
+            f"the plan has {p} stages but its mesh {dict(plan.mesh)} has no {pipe_axis!r} "
+            f"axis of {p} devices."
+        )
+    if accumulation is None or accumulation.microbatches != m:
+        raise LoadPlanError(
+            f"a pipeline of {m} microbatches is scored from the step function "
+            "(autopar.evaluate(fn, plan, cluster, *args))."
+        )
+    sub = {a: s for a, s in plan.mesh.items() if a != pipe_axis} or {"data": 1}
+    stacked_in = {i for i, r in enumerate(plan.inputs) if _on_pipe(r, pipe_axis)}
+    flat = dataclasses.replace(
+        plan,
+        mesh=sub,
+        inputs=tuple(_strip(r, pipe_axis) for r in plan.inputs),
+        outputs=tuple(_strip(r, pipe_axis) for r in plan.outputs),
+        activations=(),
+        pipeline=PipelinePlan(((0, len(graph.layers)),), "gpipe", m),
+    )
+    bp, sol = complete_layouts(
+        graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation
+    )
+    choice = sol.choice
+    ctx, eta = bp.ctx, float(cluster.overlap_efficiency)
+    micro = accumulation.micro
+    shares = node_stages(micro, pp.stages)
+    update = set(accumulation.update_eqns)
+    fwd, bwd = [0.0] * p, [0.0] * p
+    upd = flops = 0.0
+
+    def top(op: Any) -> int:
+        return op.scope[0][0] if op.scope else op.node.id
+
+    def charge(op: Any, secs: float) -> None:
+        nonlocal upd
+        nid = top(op)
+        if nid in update or op.kind in ("input", "output"):
+            # The update runs once per step; a pipe-split stack's is split too.
+            upd += secs / (p if op.kind == "node" and _reads_stacked(bp, op, stacked_in) else 1)
+            return
+        per_micro = secs / m
+        share = shares.get(nid, [1.0 / p] * p)
+        target = bwd if op.phase == "backward" else fwd
+        for s in range(p):
+            target[s] += per_micro * share[s]
+
+    for g, group in enumerate(bp.groups):
+        strats = group.strategies[choice[g]]
+        for pos, oi in enumerate(group.ops):
+            op = bp.ops[oi]
+            st = strats[pos]
+            price = price_strategy(ctx, op, st, gradient=bp.is_gradient_op(op))
+            flops += op.weight * price.flops
+            charge(op, op.weight * price.linear_s(eta))
+    for e in bp.edges:
+        op = bp.ops[e.op]
+        st = bp.strategy(e.op, choice)
+        need = st.ins[e.operand] if e.operand < len(st.ins) else None
+        have = bp.spec(e.ref, choice)
+        if need is None or have == need:
+            continue
+        t = op.node.in_tensors[e.operand]
+        w = min(op.weight, bp.ops[e.ref.op].weight)
+        colls = price_reshard(ctx, t, have, need, source=bp.leader(e.ref.op))
+        charge(op, w * reshard_linear_s(colls, eta))
+    # Stage-to-stage sends: the activation entering each boundary (its size per device:
+    # the microbatch's share on the stage's data-parallel devices).
+    pipe_ctx = type(ctx)(cluster, {**{pipe_axis: p}, **sub})
+    boundary = _boundary_bytes(micro, pp.stages, bp, choice)
+    p2p = pipe_ctx.collective("p2p", boundary, (pipe_axis,)).time_s if boundary else 0.0
+    sim = cost_models.simulate_schedule(pp.schedule, fwd, bwd, m, p2p=p2p)
+    # Gradients of parameters replicated over pipe are summed over it after the flush.
+    replicated = sum(
+        bp.value_bytes(v, choice)
+        for i, v in enumerate(bp.persistent[: len(graph.inputs)])
+        if graph.inputs[i].role == "param" and i not in stacked_in
+    )
+    ar = pipe_ctx.collective("all-reduce", replicated, (pipe_axis,)) if replicated else None
+    ar_s = ar.time_s if ar is not None else 0.0
+    step = sim.makespan + upd + ar_s
+    compute = sum(fwd) / p * m + sum(bwd) / p * m  # mean stage work per device
+    sends = 2 * m * (p - 1)
+    collectives = [
+        PredictedCollective(
+            "collective-permute",
+            (pipe_axis,),
+            boundary * sends / p,
+            sends,
+            p2p * sends / p,
+            "pipeline_p2p",
+        )
+    ]
+    if ar is not None:
+        collectives.append(
+            PredictedCollective("all-reduce", (pipe_axis,), replicated, 1, ar_s, "dp_grad")
+        )
+    mem, breakdown = _stage_memory(bp, choice, graph, stacked_in, p, sim.peak_inflight, m)
+    return Evaluation(
+        mesh=dict(plan.mesh),
+        objective_s=step,
+        step_time_s=step,
+        compute_s=compute,
+        backward_compute_s=sum(bwd) / p * m,
+        communication_s=ar_s + p2p * sends / p,
+        exposed_communication_s=step - compute - sim.bubble_s,
+        communication_by_class={"pipeline_p2p": p2p * sends / p, "dp_grad": ar_s},
+        collectives=tuple(collectives),
+        memory_bytes_per_device=mem,
+        memory_breakdown=breakdown,
+        flops_per_device=flops / p,
+        memory_limit_bytes=memory_limit_bytes,
+        solve_status=sol.status,
+        overlap_step_time_s=step,
+        extra={
+            "bubble_s": sim.bubble_s,
+            "bubble_fraction": sim.bubble_fraction,
+            "makespan_s": sim.makespan,
+            "stage_forward_s": tuple(fwd),
+            "stage_backward_s": tuple(bwd),
+            "update_s": upd,
+            "p2p_s": p2p,
+            "peak_inflight": sim.peak_inflight,
+        },
+    )
+
+
+def _reads_stacked(bp: Any, op: Any, stacked_in: set[int]) -> bool:
+    lead = bp.leader(op.index)
+    return lead.kind == "input" and lead.input is not None and lead.input.index in stacked_in
+
+
+def _boundary_bytes(micro: Graph, stages: Sequence[tuple[int, int]], bp: Any, choice: Any) -> float:
+    """Bytes per device of the activation entering the second stage's first layer: the
+    largest value its nodes read from earlier work (a transformer's residual stream)."""
+    if len(stages) < 2:
+        return 0.0
+    first = stages[1][0]
+    layer = micro.layers[first] if first < len(micro.layers) else None
+    if layer is None:
+        return 0.0
+    inside = set(layer.nodes)
+    producer = {v: n.id for n in micro.nodes for v in n.outputs}
+    inputs = {gi.value for gi in micro.inputs}
+    best = 0.0
+    for nid in layer.nodes:
+        n = micro.nodes[nid]
+        if n.phase != "forward":
+            continue
+        for v, t in zip(n.inputs, n.in_tensors, strict=True):
+            if v < 0 or v in inputs or producer.get(v) in inside or v not in producer:
+                continue
+            ref = bp.value_refs.get(v)
+            grouped = ref is not None and ref.op in bp.op_group
+            nbytes = t.nbytes / _shards(bp, ref, choice) if grouped else t.nbytes
+            best = max(best, nbytes)
+    return best
+
+
+def _shards(bp: Any, ref: Any, choice: Any) -> int:
+    from autopar.search.sharding import shards
+
+    return shards(bp.spec(ref, choice), bp.ctx.mesh)
+
+
+def _stage_memory(
+    bp: Any,
+    choice: Any,
+    graph: Graph,
+    stacked_in: set[int],
+    p: int,
+    inflight: Sequence[int],
+    m: int,
+) -> tuple[float, dict[str, float]]:
+    """The busiest stage's bytes per device: state (a stacked leaf's 1/p), accumulators,
+    and its share of one microbatch's activations times its in-flight microbatches.
+    Accumulators are counted whole (those of a stacked leaf are split in the program:
+    an over-estimate of at most the stack's gradients)."""
+    _, _, breakdown = bp.peak(choice)
+    n_in = len(graph.inputs)
+    state: dict[str, float] = {}
+    for i, v in enumerate(bp.persistent):
+        b = bp.value_bytes(v, choice)
+        if i < n_in and i in stacked_in:
+            b /= p  # a scanned stack: each stage holds its layers
+        state[v.category] = state.get(v.category, 0.0) + b
+    act = sum(b for k, b in breakdown.items() if k not in state)
+    worst = max(inflight) if inflight else m
+    per_stage_act = act / p * worst
+    out = dict(state)
+    out["activations"] = per_stage_act
+    return sum(out.values()), out
+
+
+__all__ = ["evaluate_pipeline", "node_stages"]
