@@ -144,6 +144,17 @@ def _plan_pipeline(
         raise InvalidOptionError(
             f"remat={options.remat!r} in a pipeline is not available yet; use None or 'none'."
         )
+    pipe = options.mesh["pipe"]
+    if options.pipeline_stages not in (None, pipe):
+        raise InvalidOptionError(
+            f"pipeline_stages={options.pipeline_stages} disagrees with the mesh's 'pipe' axis "
+            f"of {pipe}: one stage per pipe device; give one of them."
+        )
+    if options.zero_stage not in (None, 0):
+        raise InvalidOptionError(
+            f"zero_stage={options.zero_stage} in a pipeline is not available yet: stages are "
+            "data parallel over the other axes; use None or 0."
+        )
     plan = baselines.pipeline(
         fn, options.mesh, *args, microbatches=m, schedule=options.schedule or "1f1b"
     )

@@ -66,8 +66,9 @@ def _check(options: SearchOptions, cluster: Any) -> None:
     """Refuse what the search cannot do yet, rather than ignore it."""
     if options.pipeline_stages is not None and options.pipeline_stages > 1:
         raise InvalidOptionError(
-            f"pipeline_stages={options.pipeline_stages}: pipelining is not available yet; "
-            "use pipeline_stages=None or 1."
+            f"pipeline_stages={options.pipeline_stages}: the search does not choose pipelines "
+            "yet; give a mesh with a 'pipe' axis of that size (SearchOptions(mesh={'pipe': "
+            f"{options.pipeline_stages}, 'data': ...})) and plan the step function."
         )
     if options.mesh is not None and options.mesh.get("pipe", 1) > 1:
         raise InvalidOptionError(
