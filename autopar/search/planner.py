@@ -68,7 +68,7 @@ def _check(options: SearchOptions, cluster: Any) -> None:
         raise InvalidOptionError(
             f"pipeline_stages={options.pipeline_stages}: the search does not choose pipelines "
             "yet; give a mesh with a 'pipe' axis of that size (SearchOptions(mesh={'pipe': "
-            f"{options.pipeline_stages}, 'data': ...})) and plan the step function."
+            f"{options.pipeline_stages}, 'data': ...}}) and plan the step function."
         )
     if options.mesh is not None and options.mesh.get("pipe", 1) > 1:
         raise InvalidOptionError(
