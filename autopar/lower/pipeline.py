@@ -10,7 +10,14 @@ forward, its backward) followed by two ``ppermute``\\ s (activations to ``s + 1`
 cotangents to ``s - 1``). Received values and stashes live in slot buffers whose slots a
 static table assigns (so 1F1B keeps at most ``p - s`` stashes on stage ``s``, GPipe
 ``M``). Outputs of ``G`` (loss, gradients, aux) are **summed** over microbatches; the
-caller scales. Schedules: :func:`make_schedule` (``"gpipe"``, ``"1f1b"``).
+caller scales. Schedules: :func:`make_schedule` (``"gpipe"``, ``"1f1b"``,
+``"interleaved-1f1b"``).
+
+Interleaved 1F1B (``virtual_stages = v > 1``): the cut has ``p v`` stages (model chunks)
+and device ``d`` runs chunks ``d, p + d, 2p + d, ...``; the ``ppermute`` sends become a ring
+(the forward from device ``p - 1`` feeds device 0's next chunk, backward the reverse).
+Unrolled layers only in this version (a scanned stack would have to be sharded into
+non-contiguous chunks per device).
 
 Parameters: a scanned layer stack's inputs are sharded over ``pipe`` on their layer axis,
 so each device holds only its stage's layers. Other parameters (unrolled layers,
@@ -64,99 +71,172 @@ __all__ = [
     "pipelined_gradients",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+
+Op = tuple  # ("F" | "B", microbatch) or, with virtual stages, ("F" | "B", microbatch, stage)
 
 
 @dataclass(frozen=True)
 class Schedule:
     """A pipeline schedule as a static table of ticks (from :func:`make_schedule`).
 
-    Each tick every stage runs at most one piece (its forward or backward of one
-    microbatch); sends happen at the end of the tick.
+    Each tick every device runs at most one piece (the forward or backward of one
+    microbatch through one of its stages); sends happen at the end of the tick.
 
     Attributes:
-        name: ``"gpipe"`` or ``"1f1b"``.
-        num_stages: ``p``.
+        name: ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``.
+        num_stages: ``p``, devices along ``pipe``.
         microbatches: ``M``.
-        ticks: ``ticks[t][s]`` is ``None`` (idle), ``("F", m)`` or ``("B", m)``.
+        ticks: ``ticks[t][d]`` is ``None`` (idle), ``("F", m)`` or ``("B", m)`` (device
+            ``d``'s own stage); with ``virtual_stages > 1``, ``("F", m, k)`` or
+            ``("B", m, k)``: virtual stage ``k`` (model chunk ``k``, on device ``k % p``).
+        virtual_stages: ``v``, model chunks per device (device ``d`` holds chunks
+            ``d, p + d, 2p + d, ...``).
 
     Example:
         >>> s = make_schedule("1f1b", 2, 3)
         >>> [row[0] for row in s.ticks]
         [('F', 0), ('F', 1), None, ('B', 0), ('F', 2), ('B', 1), None, ('B', 2)]
+        >>> [row[0] for row in make_schedule("interleaved-1f1b", 2, 2, 2).ticks][:4]
+        [('F', 0, 0), ('F', 1, 0), ('F', 0, 2), ('F', 1, 2)]
     """
 
     name: str
     num_stages: int
     microbatches: int
-    ticks: tuple[tuple[tuple[str, int] | None, ...], ...]
+    ticks: tuple[tuple[Op | None, ...], ...]
+    virtual_stages: int = 1
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of stage-ticks that are idle."""
+        """Share of device-ticks that are idle."""
         idle = sum(op is None for row in self.ticks for op in row)
         return idle / max(1, len(self.ticks) * self.num_stages)
+
+    def ops(self) -> list[tuple[int, int, str, int, int]]:
+        """Every op as ``(tick, device, kind, microbatch, virtual stage)``.
+
+        Example:
+            >>> make_schedule("gpipe", 2, 1).ops()[:2]
+            [(0, 0, 'F', 0, 0), (1, 1, 'F', 0, 1)]
+        """
+        return [
+            (t, d, op[0], op[1], op[2] if len(op) == 3 else d)
+            for t, row in enumerate(self.ticks)
+            for d, op in enumerate(row)
+            if op is not None
+        ]
 
 
 # ------------------------------------------------------------------------------ schedule
 
 
-def make_schedule(name: str, num_stages: int, microbatches: int) -> Schedule:
-    """The tick table of a schedule: per-stage op order, then earliest-start placement.
+def _device_order(name: str, d: int, p: int, m_count: int, v: int) -> list[tuple[str, int, int]]:
+    """Device ``d``'s ops ``(kind, microbatch, virtual stage)`` in run order. The same
+    orders as ``cost_models.pipeline`` simulates (its ``_order``), so the tick table and
+    the predicted bubble agree."""
+    if name == "gpipe":
+        return [("F", m, d) for m in range(m_count)] + [("B", m, d) for m in range(m_count)]
+    if name == "1f1b" or v == 1:
+        warm = min(p - 1 - d, m_count)
+        order = [("F", m, d) for m in range(warm)]
+        for i in range(m_count - warm):
+            order += [("F", warm + i, d), ("B", i, d)]
+        return order + [("B", m, d) for m in range(m_count - warm, m_count)]
+    # Megatron-LM's interleaved schedule (forward_backward_pipelining_with_interleaving):
+    # the k-th chunk-forward of a device is chunk (k // p) % v of microbatch
+    # (k // pv) p + k % p (microbatches go through the chunks in groups of p); backwards
+    # run the chunks in reverse.
+    total = m_count * v
+
+    def fwd(k: int) -> tuple[str, int, int]:
+        return ("F", (k // (p * v)) * p + k % p, ((k // p) % v) * p + d)
+
+    def bwd(k: int) -> tuple[str, int, int]:
+        return ("B", (k // (p * v)) * p + k % p, (v - 1 - (k // p) % v) * p + d)
+
+    warm = total if m_count == p else min(2 * (p - d - 1) + (v - 1) * p, total)
+    order = [fwd(k) for k in range(warm)]
+    for k in range(total - warm):
+        order += [fwd(warm + k), bwd(k)]
+    return order + [bwd(k) for k in range(total - warm, total)]
+
+
+def make_schedule(
+    name: str, num_stages: int, microbatches: int, virtual_stages: int = 1
+) -> Schedule:
+    """The tick table of a schedule: per-device op order, then earliest-start placement.
 
     ``"gpipe"``: every stage runs all ``M`` forwards, then all backwards. ``"1f1b"``: stage
     ``s`` runs ``min(p-1-s, M)`` warm-up forwards, then alternates one forward and one
     backward, then the remaining backwards (at most ``p - s`` microbatches in flight).
+    ``"interleaved-1f1b"`` (Narayanan et al. 2021) with ``v = virtual_stages`` chunks per
+    device: the model is ``p v`` virtual stages, device ``d`` runs stages ``d, p + d, ...``;
+    microbatches go through the chunks in groups of ``p``; device ``d`` warms up with
+    ``2(p-d-1) + (v-1)p`` chunk-forwards (all of them when ``M == p``), then alternates,
+    then drains. It needs ``M % p == 0``; with ``v = 1`` it is ``"1f1b"``.
+
+    An op runs at the first tick after its inputs' ops (forward of the previous virtual
+    stage; backward of the next one and its own forward) on its device's turn, so with
+    equal forward and backward times the table is ``cost_models.simulate_schedule``'s
+    timeline, tick for tick.
 
     Raises:
-        LowerPlanError: unknown schedule, or sizes < 1.
+        LowerPlanError: unknown schedule, sizes < 1, ``virtual_stages > 1`` with a
+            schedule other than ``"interleaved-1f1b"``, or ``M`` not a multiple of ``p``.
 
     Example:
         >>> make_schedule("gpipe", 2, 2).ticks[0]
         (('F', 0), None)
+        >>> len(make_schedule("interleaved-1f1b", 2, 4, 2).ticks)  # ticks of half a 1F1B tick: 18 vs 1F1B's 2 * 10
+        18
     """
-    p, m_count = num_stages, microbatches
+    p, m_count, v = num_stages, microbatches, virtual_stages
     if name not in SCHEDULES:
         raise LowerPlanError(f"pipeline schedule {name!r} is not supported; use one of {SCHEDULES}")
-    if p < 1 or m_count < 1:
-        raise LowerPlanError(f"stages={p} and microbatches={m_count} must both be >= 1")
-    orders: list[list[tuple[str, int]]] = []
-    for s in range(p):
-        if name == "gpipe":
-            order = [("F", m) for m in range(m_count)] + [("B", m) for m in range(m_count)]
-        else:
-            warm = min(p - 1 - s, m_count)
-            order = [("F", m) for m in range(warm)]
-            for i in range(m_count - warm):
-                order += [("F", warm + i), ("B", i)]
-            order += [("B", m) for m in range(m_count - warm, m_count)]
-        orders.append(order)
+    if p < 1 or m_count < 1 or v < 1:
+        raise LowerPlanError(
+            f"stages={p}, microbatches={m_count} and virtual_stages={v} must all be >= 1"
+        )
+    if v > 1 and name != "interleaved-1f1b":
+        raise LowerPlanError(
+            f"virtual_stages={v} needs the 'interleaved-1f1b' schedule, not {name!r}; use "
+            f"virtual_stages=1 with {name!r}"
+        )
+    if v > 1 and m_count % p:
+        raise LowerPlanError(
+            f"interleaved-1f1b needs the microbatches to be a multiple of the pipeline size "
+            f"(microbatches go through the chunks in groups of p): got microbatches={m_count}, "
+            f"p={p}; use {max(p, m_count // p * p)} or {(m_count // p + 1) * p}"
+        )
+    n_stages = p * v
+    orders = [_device_order(name, d, p, m_count, v) for d in range(p)]
     done: dict[tuple[str, int, int], int] = {}
     nxt = [0] * p
-    ticks: list[tuple[tuple[str, int] | None, ...]] = []
+    ticks: list[tuple[Op | None, ...]] = []
     t = 0
-    while any(nxt[s] < len(orders[s]) for s in range(p)):
-        row: list[tuple[str, int] | None] = [None] * p
-        for s in range(p):
-            if nxt[s] >= len(orders[s]):
+    while any(nxt[d] < len(orders[d]) for d in range(p)):
+        row: list[tuple[str, int, int] | None] = [None] * p
+        for d in range(p):
+            if nxt[d] >= len(orders[d]):
                 continue
-            kind, m = orders[s][nxt[s]]
+            kind, m, k = orders[d][nxt[d]]
             if kind == "F":
-                deps = [("F", m, s - 1)] if s > 0 else []
+                deps = [("F", m, k - 1)] if k > 0 else []
             else:
-                deps = [("F", m, s)] + ([("B", m, s + 1)] if s < p - 1 else [])
-            if all(d in done and done[d] < t for d in deps):
-                row[s] = (kind, m)
+                deps = [("F", m, k)] + ([("B", m, k + 1)] if k < n_stages - 1 else [])
+            if all(dep in done and done[dep] < t for dep in deps):
+                row[d] = (kind, m, k)
         if all(op is None for op in row):  # pragma: no cover - the orders above never stall
             raise LowerPlanError(f"schedule {name!r} stalls at tick {t}")
-        for s, op in enumerate(row):
+        for d, op in enumerate(row):
             if op is not None:
-                done[(op[0], op[1], s)] = t
-                nxt[s] += 1
-        ticks.append(tuple(row))
+                done[op] = t
+                nxt[d] += 1
+        ticks.append(tuple(None if op is None else op if v > 1 else op[:2] for op in row))
         t += 1
-    return Schedule(name, p, m_count, tuple(ticks))
+    return Schedule(name, p, m_count, tuple(ticks), v)
 
 
 # ------------------------------------------------------------------------------ runtime
@@ -243,29 +323,30 @@ class _Tables:
 
 
 def _tables(schedule: Schedule) -> _Tables:
-    p, ticks = schedule.num_stages, schedule.ticks
-    at: dict[tuple[str, int, int], int] = {}
-    for t, row in enumerate(ticks):
-        for s, op in enumerate(row):
-            if op is not None:
-                at[(op[0], op[1], s)] = t
-    m_count = schedule.microbatches
-    f_iv: dict[int, list] = defaultdict(list)  # receiving stage -> intervals
+    """Branches and slots of every (tick, device). Virtual stage ``k`` runs on device
+    ``k % p``; its forward sends to stage ``k + 1`` (device ``d + 1``, or device 0 from
+    device ``p - 1`` for the next chunk group), its backward to stage ``k - 1``. Buffers
+    are per receiving device, keyed by (virtual stage, microbatch)."""
+    p, v, ticks = schedule.num_stages, schedule.virtual_stages, schedule.ticks
+    n_st = p * v
+    ops = schedule.ops()
+    at = {(kind, m, k): t for t, _, kind, m, k in ops}
+    f_iv: dict[int, list] = defaultdict(list)  # receiving device -> intervals
     b_iv: dict[int, list] = defaultdict(list)
     s_iv: dict[int, list] = defaultdict(list)
-    for m in range(m_count):
-        for s in range(p):
-            if s > 0:
-                f_iv[s].append((at[("F", m, s - 1)], at[("F", m, s)], m))
-            if s < p - 1:
-                b_iv[s].append((at[("B", m, s + 1)], at[("B", m, s)], m))
-            s_iv[s].append((at[("F", m, s)], at[("B", m, s)], m))
-    f_slot = {s: _allocate(iv) for s, iv in f_iv.items()}
-    b_slot = {s: _allocate(iv) for s, iv in b_iv.items()}
-    s_slot = {s: _allocate(iv) for s, iv in s_iv.items()}
-    kf = max([n for _, n in f_slot.values()], default=0)
-    kb = max([n for _, n in b_slot.values()], default=0)
-    ks = max([n for _, n in s_slot.values()], default=0)
+    for m in range(schedule.microbatches):
+        for k in range(n_st):
+            if k > 0:
+                f_iv[k % p].append((at[("F", m, k - 1)], at[("F", m, k)], (k, m)))
+            if k < n_st - 1:
+                b_iv[k % p].append((at[("B", m, k + 1)], at[("B", m, k)], (k, m)))
+            s_iv[k % p].append((at[("F", m, k)], at[("B", m, k)], (k, m)))
+    f_slot = {d: _allocate(iv)[0] for d, iv in f_iv.items()}
+    b_slot = {d: _allocate(iv)[0] for d, iv in b_iv.items()}
+    s_slot = {d: _allocate(iv)[0] for d, iv in s_iv.items()}
+    kf = max([len(set(sl.values())) for sl in f_slot.values()], default=0)
+    kb = max([len(set(sl.values())) for sl in b_slot.values()], default=0)
+    ks = max([len(set(sl.values())) for sl in s_slot.values()], default=0)
     shape = (len(ticks), p)
     tab = {
         "branch": np.zeros(shape, np.int32),
@@ -277,26 +358,22 @@ def _tables(schedule: Schedule) -> _Tables:
         "f_write": np.full(shape, kf, np.int32),
         "b_write": np.full(shape, kb, np.int32),
     }
-    for t, row in enumerate(ticks):
-        for s, op in enumerate(row):
-            if op is None:
-                continue
-            kind, m = op
-            tab["micro"][t, s] = m
-            if kind == "F":
-                tab["branch"][t, s] = 1 + s
-                tab["s_write"][t, s] = s_slot[s][0][m]
-                if s > 0:
-                    tab["f_read"][t, s] = f_slot[s][0][m]
-                if s < p - 1:
-                    tab["f_write"][t, s + 1] = f_slot[s + 1][0][m]
-            else:
-                tab["branch"][t, s] = 1 + p + s
-                tab["s_read"][t, s] = s_slot[s][0][m]
-                if s < p - 1:
-                    tab["b_read"][t, s] = b_slot[s][0][m]
-                if s > 0:
-                    tab["b_write"][t, s - 1] = b_slot[s - 1][0][m]
+    for t, d, kind, m, k in ops:
+        tab["micro"][t, d] = m
+        if kind == "F":
+            tab["branch"][t, d] = 1 + k
+            tab["s_write"][t, d] = s_slot[d][(k, m)]
+            if k > 0:
+                tab["f_read"][t, d] = f_slot[d][(k, m)]
+            if k < n_st - 1:
+                tab["f_write"][t, (k + 1) % p] = f_slot[(k + 1) % p][(k + 1, m)]
+        else:
+            tab["branch"][t, d] = 1 + n_st + k
+            tab["s_read"][t, d] = s_slot[d][(k, m)]
+            if k < n_st - 1:
+                tab["b_read"][t, d] = b_slot[d][(k, m)]
+            if k > 0:
+                tab["b_write"][t, (k - 1) % p] = b_slot[(k - 1) % p][(k - 1, m)]
     return _Tables(**tab, f_slots=kf, b_slots=kb, s_slots=ks)
 
 
@@ -375,15 +452,18 @@ def pipelined_gradients(
         mesh: a mesh with ``pipe_axis``; other axes (``data``, ``tensor``, ...) stay
             automatic inside the pipeline (the partitioner shards the stage programs over
             them, e.g. the batch over ``data``).
-        virtual_stages: stage chunks per device (interleaved schedules); only 1 is
-            supported in this version.
+        virtual_stages: ``v``, model chunks per device (``"interleaved-1f1b"``): the cut
+            then has ``p v`` stages (one per chunk, in model order) for a ``pipe`` axis of
+            ``p`` devices, and device ``d`` runs chunks ``d, p + d, ...``. Needs
+            ``microbatches % p == 0`` and unrolled layers (no scanned stack).
         pipe_axis: the mesh axis name.
 
     Returns:
         A :class:`PipelinedGradients`; ``jax.jit`` it.
 
     Raises:
-        LowerPlanError: mesh/stage mismatch, unsupported schedule or virtual stages.
+        LowerPlanError: mesh/stage mismatch, unsupported schedule, a microbatch count
+            the interleaved schedule cannot use, or a scanned stack with ``v > 1``.
 
     Example:
         >>> mesh = autopar.lower.make_mesh({"pipe": 2, "data": 4})
@@ -394,27 +474,41 @@ def pipelined_gradients(
         >>> run = pipelined_gradients(cut, "gpipe", 4, mesh)
         >>> loss_sum, grads_sum = jax.jit(run)(ws, jnp.ones((8, 4)))  # doctest: +SKIP
     """
-    p = cut.num_stages
+    v = virtual_stages
+    if not isinstance(v, int) or v < 1:
+        raise LowerPlanError(f"virtual_stages={v!r} must be an integer >= 1")
+    n_st = cut.num_stages
+    p = n_st // v
     if pipe_axis not in mesh.shape:
         raise LowerPlanError(
             f"the mesh {dict(mesh.shape)} has no {pipe_axis!r} axis; build it with one of "
             f"size {p} (autopar.lower.make_mesh({{{pipe_axis!r}: {p}, ...}}))"
         )
-    if mesh.shape[pipe_axis] != p:
+    if v == 1 and mesh.shape[pipe_axis] != n_st:
         raise LowerPlanError(
-            f"the cut has {p} stages but the mesh's {pipe_axis!r} axis has "
+            f"the cut has {n_st} stages but the mesh's {pipe_axis!r} axis has "
             f"{mesh.shape[pipe_axis]} devices; cut into {mesh.shape[pipe_axis]} stages"
         )
-    if virtual_stages != 1:
+    if v > 1 and mesh.shape[pipe_axis] * v != n_st:
         raise LowerPlanError(
-            f"virtual_stages={virtual_stages}: interleaved schedules are not supported yet; "
-            f"use virtual_stages=1 with 'gpipe' or '1f1b'"
+            f"the cut has {n_st} stages, but virtual_stages={v} on the mesh's {pipe_axis!r} "
+            f"axis of {mesh.shape[pipe_axis]} devices needs {mesh.shape[pipe_axis] * v} "
+            f"(p * v chunks: device d runs chunks d, p + d, ...); cut into that many"
         )
-    sched = schedule if isinstance(schedule, Schedule) else make_schedule(schedule, p, microbatches)
-    if sched.num_stages != p or sched.microbatches != microbatches:
+    if v > 1 and (cut.stacked_inputs or cut.stacked_outputs):
         raise LowerPlanError(
-            f"schedule is for {sched.num_stages} stages x {sched.microbatches} microbatches, "
-            f"not {p} x {microbatches}"
+            f"virtual_stages={v} with a scanned layer stack is not supported yet: each "
+            f"device would need the non-contiguous chunks d, p + d, ... of the stack; unroll "
+            f"the layers (e.g. scan_layers=False) or use virtual_stages=1"
+        )
+    if isinstance(schedule, Schedule):
+        sched = schedule
+    else:
+        sched = make_schedule(schedule, p, microbatches, v)
+    if (sched.num_stages, sched.microbatches, sched.virtual_stages) != (p, microbatches, v):
+        raise LowerPlanError(
+            f"schedule is for {sched.num_stages} stages x {sched.microbatches} microbatches "
+            f"x {sched.virtual_stages} virtual stages, not {p} x {microbatches} x {v}"
         )
     n_in = len(cut.jaxpr.jaxpr.invars)
     in_specs = tuple(P(pipe_axis) if i in cut.stacked_inputs else P() for i in range(n_in))
@@ -435,7 +529,8 @@ def pipelined_gradients(
 def _pipeline_body(
     cut: StageCut, sched: Schedule, m_count: int, axis: str
 ) -> Callable[..., tuple[Any, ...]]:
-    p = cut.num_stages
+    p = cut.num_stages  # virtual stages: p_dev * v
+    p_dev = sched.num_stages
     tabs = _tables(sched)
     jaxpr = cut.jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, cut.jaxpr.consts, strict=True))
@@ -487,8 +582,12 @@ def _pipeline_body(
     branches = [branch_of(None)]
     branches += [branch_of(cut.forward(s)) for s in range(p)]
     branches += [branch_of(cut.backward(s)) for s in range(p)]
-    fwd_perm = [(i, i + 1) for i in range(p - 1)]
-    bwd_perm = [(i + 1, i) for i in range(p - 1)]
+    if sched.virtual_stages > 1:  # a ring: device p - 1 feeds device 0's next chunk
+        fwd_perm = [(i, (i + 1) % p_dev) for i in range(p_dev)]
+        bwd_perm = [((i + 1) % p_dev, i) for i in range(p_dev)]
+    else:
+        fwd_perm = [(i, i + 1) for i in range(p_dev - 1)]
+        bwd_perm = [(i + 1, i) for i in range(p_dev - 1)]
     xs = tuple(
         jnp.asarray(a)
         for a in (tabs.branch, tabs.micro, tabs.f_read, tabs.b_read, tabs.s_read,
