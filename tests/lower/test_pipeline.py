@@ -88,6 +88,7 @@ def _model(name: str, layers: int):
 
 @functools.cache
 def _cut(name: str, layers: int, p: int, m: int) -> StageCut:
+    """``p`` equal stages (with interleaving, ``p`` is the number of chunks, ``p v``)."""
     loss, params, batch = _model(name, layers)
     micro = jax.tree.map(lambda x: x[: BATCH // m], batch)
     graph = autopar.trace(jax.value_and_grad(loss), params, micro)
@@ -106,11 +107,11 @@ def _reference(name: str, layers: int):
     return float(value), jax.tree.map(np.asarray, grads)
 
 
-def _check(name: str, layers: int, mesh_name: str, schedule: str, m: int):
+def _check(name: str, layers: int, mesh_name: str, schedule: str, m: int, v: int = 1):
     mesh_shape = MESHES[mesh_name]
     p = mesh_shape["pipe"]
-    cut = _cut(name, layers, p, m)
-    run = pipelined_gradients(cut, schedule, m, make_mesh(mesh_shape))
+    cut = _cut(name, layers, p * v, m)
+    run = pipelined_gradients(cut, schedule, m, make_mesh(mesh_shape), v)
     _, params, batch = _model(name, layers)
     loss_sum, grads_sum = jax.jit(run)(params, batch)
     want_loss, want_grads = _reference(name, layers)
@@ -169,6 +170,104 @@ def test_schedule_rejects_unknown_names():
         make_schedule("zero-bubble", 2, 4)
 
 
+# -- interleaved 1F1B ----------------------------------------------------------------------
+
+INTERLEAVED = [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 4, 2), (2, 2, 3), (4, 8, 3), (8, 16, 2)]
+
+
+def _interleaved_warmup(p: int, m: int, v: int, d: int) -> int:
+    """Megatron-LM's warm-up chunk-forwards on device ``d`` (all of them when m == p)."""
+    return m * v if m == p else min(2 * (p - d - 1) + (v - 1) * p, m * v)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), INTERLEAVED)
+def test_interleaved_schedule_runs_every_chunk_op_once_after_its_inputs(p, m, v):
+    s = make_schedule("interleaved-1f1b", p, m, v)
+    assert s.virtual_stages == v and s.num_stages == p
+    at = {}
+    for t, row in enumerate(s.ticks):
+        for d, op in enumerate(row):
+            if op is not None:
+                kind, mb, k = op
+                assert k % p == d, f"chunk {k} must run on device {k % p}, not {d}"
+                assert op not in at
+                at[op] = t
+    n = p * v
+    assert len(at) == 2 * n * m
+    for mb in range(m):
+        for k in range(n):
+            if k > 0:
+                assert at[("F", mb, k)] > at[("F", mb, k - 1)]
+            if k < n - 1:
+                assert at[("B", mb, k)] > at[("B", mb, k + 1)]
+            assert at[("B", mb, k)] > at[("F", mb, k)]
+    # microbatches go through each device's chunks in groups of p: device d's forwards of
+    # chunk c run microbatches in order, and its first p*v forwards are the first group
+    for d in range(p):
+        fwd = [op for row in s.ticks if (op := row[d]) is not None and op[0] == "F"]
+        for c in range(v):
+            mbs = [op[1] for op in fwd if op[2] == c * p + d]
+            assert mbs == list(range(m))
+        assert [op[1] for op in fwd[: p * v]] == [j % p for j in range(p * v)]
+        assert [op[2] // p for op in fwd[: p * v]] == [j // p for j in range(p * v)]
+
+
+@pytest.mark.parametrize(("p", "m", "v"), INTERLEAVED)
+def test_interleaved_schedule_is_the_cost_models_timeline(p, m, v):
+    """With equal chunk forward and backward times (v seconds per microbatch and device, so
+    1 per chunk op) ``cost_models.simulate_schedule`` starts every op at its tick, so the
+    bubble the planner predicts is the program's."""
+    from cost_models.pipeline import simulate_schedule
+
+    s = make_schedule("interleaved-1f1b", p, m, v)
+    r = simulate_schedule(
+        "interleaved-1f1b", [float(v)] * p, [float(v)] * p, m, chunks=v, timeline=True
+    )
+    sim = {(e.op, e.microbatch, e.chunk * p + e.device): e.start for e in r.timeline}
+    got = {(kind, mb, k): float(t) for t, _, kind, mb, k in s.ops()}
+    assert got == sim
+    assert len(s.ticks) == r.makespan
+    # the paper's bubble (p - 1) / (v m), in ticks of 1/v stage-op
+    assert (len(s.ticks) - 2 * m * v) / (2 * m * v) == pytest.approx((p - 1) / (v * m))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m))
+    one = make_schedule("1f1b", p, m)
+    assert len(s.ticks) < v * len(one.ticks)  # shorter than 1F1B in the same time unit
+
+
+@pytest.mark.parametrize(("p", "m", "v"), INTERLEAVED)
+def test_interleaved_keeps_warmup_plus_one_chunks_in_flight(p, m, v):
+    from cost_models.pipeline import simulate_schedule
+
+    s = make_schedule("interleaved-1f1b", p, m, v)
+    r = simulate_schedule("interleaved-1f1b", [float(v)] * p, [float(v)] * p, m, chunks=v)
+    for d in range(p):
+        live = peak = 0
+        for row in s.ticks:
+            op = row[d]
+            if op is not None:
+                live += 1 if op[0] == "F" else -1
+                peak = max(peak, live)
+        warm = _interleaved_warmup(p, m, v, d)
+        assert peak == min(warm + 1, m * v) == r.peak_inflight[d]
+    # the first device holds the most; the buffers the runtime allocates are that many
+    from autopar.lower.pipeline import _tables
+
+    assert _tables(s).s_slots == min(_interleaved_warmup(p, m, v, 0) + 1, m * v)
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    assert make_schedule("interleaved-1f1b", 4, 6).ticks == make_schedule("1f1b", 4, 6).ticks
+
+
+def test_interleaved_schedule_refuses_bad_sizes():
+    with pytest.raises(LowerPlanError, match="multiple of the pipeline size"):
+        make_schedule("interleaved-1f1b", 4, 6, 2)
+    with pytest.raises(LowerPlanError, match="needs the 'interleaved-1f1b' schedule"):
+        make_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(LowerPlanError, match=">= 1"):
+        make_schedule("interleaved-1f1b", 2, 4, 0)
+
+
 # -- numerics: MLP -------------------------------------------------------------------------
 
 
@@ -176,6 +275,13 @@ def test_schedule_rejects_unknown_names():
 @pytest.mark.parametrize(("mesh_name", "m"), [("pipe2_data4", 4), ("pipe4_data2", 8), ("pipe8", 8)])
 def test_mlp_pipeline_matches_single_device(mesh_name, schedule, m):
     _check("mlp", 8, mesh_name, schedule, m)
+
+
+@pytest.mark.parametrize(
+    ("mesh_name", "m", "v"), [("pipe2_data4", 4, 2), ("pipe2_data4", 8, 2), ("pipe4_data2", 8, 2)]
+)
+def test_mlp_interleaved_pipeline_matches_single_device(mesh_name, m, v):
+    _check("mlp", 8, mesh_name, "interleaved-1f1b", m, v)
 
 
 # -- numerics: zoo GPT ---------------------------------------------------------------------
@@ -207,6 +313,20 @@ def test_gpt_pipeline_matches_single_device(name, layers, mesh_name, schedule, m
 @pytest.mark.parametrize(("name", "layers", "mesh_name", "schedule", "m"), GPT_SLOW)
 def test_gpt_pipeline_matches_single_device_more_meshes(name, layers, mesh_name, schedule, m):
     _check(name, layers, mesh_name, schedule, m)
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_gpt_interleaved_pipeline_matches_single_device(m):
+    _check("gpt_unrolled", 4, "pipe2_data4", "interleaved-1f1b", m, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layers", "mesh_name", "m", "v"),
+    [(8, "pipe2_data4", 4, 2), (8, "pipe2_data4", 8, 4), (8, "pipe4_data2", 8, 2)],
+)
+def test_gpt_interleaved_pipeline_matches_single_device_more(layers, mesh_name, m, v):
+    _check("gpt_unrolled", layers, mesh_name, "interleaved-1f1b", m, v)
 
 
 # -- what the program does -----------------------------------------------------------------
@@ -261,6 +381,30 @@ def test_compiled_program_permutes_over_pipe_and_keeps_stage_params_local():
         assert got <= pairs, f"permute outside pipe neighbours: {got}"
     loss_sum, _ = compiled(*args)
     assert float(loss_sum) / 4 == pytest.approx(_reference("gpt_scan", 4)[0], rel=LOSS_RTOL)
+
+
+def test_interleaved_program_permutes_on_the_pipe_ring():
+    """Chunk k feeds chunk k + 1 on device d + 1, and device p - 1 feeds device 0's next
+    chunk: two collective-permutes per tick, a ring over ``pipe`` each way (the
+    non-interleaved program has no wrap-around)."""
+    import re
+
+    mesh = make_mesh(MESHES["pipe4_data2"])
+    _, ws, batch = _mlp(8)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)  # [pipe, data]
+    ring = {(int(ids[s, c]), int(ids[(s + 1) % 4, c])) for s in range(4) for c in range(2)}
+    back = {(b, a) for a, b in ring}
+    for v, schedule, want in ((2, "interleaved-1f1b", [ring, back]), (1, "1f1b", None)):
+        run = pipelined_gradients(_cut("mlp", 8, 4 * v, 4), schedule, 4, mesh, v)
+        hlo = jax.jit(run).lower(ws, batch).compile().as_text()
+        got = [
+            {tuple(int(x) for x in pr) for pr in re.findall(r"\{(\d+),(\d+)\}", m)}
+            for m in re.findall(r"collective-permute\(.*source_target_pairs=\{(.*?\})\}", hlo)
+        ]
+        if want is not None:
+            assert sorted(got, key=sorted) == sorted(want, key=sorted)
+        else:  # the plain 1F1B program: the chain without the wrap-around
+            assert got and all(g < ring | back and len(g) == 6 for g in got)
 
 
 def test_cut_places_embedding_on_first_and_head_on_last_stage():
@@ -321,6 +465,17 @@ def test_pipeline_rejects_mesh_mismatch():
         pipelined_gradients(cut, "gpipe", 4, make_mesh({"data": 8}))
     with pytest.raises(LowerPlanError, match="virtual_stages"):
         pipelined_gradients(cut, "gpipe", 4, make_mesh({"pipe": 2, "data": 4}), 2)
+    cut4 = _cut("mlp", 8, 4, 4)
+    with pytest.raises(LowerPlanError, match="needs the 'interleaved-1f1b' schedule"):
+        pipelined_gradients(cut4, "1f1b", 4, make_mesh({"pipe": 2, "data": 4}), 2)
+    with pytest.raises(LowerPlanError, match="multiple of the pipeline size"):
+        pipelined_gradients(cut4, "interleaved-1f1b", 3, make_mesh({"pipe": 2, "data": 4}), 2)
+
+
+def test_interleaved_pipeline_refuses_a_scanned_stack():
+    cut = _cut("gpt_scan", 4, 4, 4)
+    with pytest.raises(LowerPlanError, match="scanned layer stack is not supported"):
+        pipelined_gradients(cut, "interleaved-1f1b", 4, make_mesh({"pipe": 2, "data": 4}), 2)
 
 
 def test_pipeline_rejects_a_batch_that_is_not_m_microbatches():
