@@ -206,6 +206,11 @@ def remat_policy(name: str) -> Callable[..., bool] | None:
 # ------------------------------------------------------------------------------- result
 
 
+def _identity(x: Any) -> Any:
+    """Jitted with ``out_shardings`` to reshard a global array (one compile per layout)."""
+    return x
+
+
 @dataclass(frozen=True, eq=False)
 class LoweredStep:
     """A plan lowered to a sharded ``jax.jit`` program (not yet compiled).
@@ -261,6 +266,13 @@ class LoweredStep:
         data) and the copy is placed: in JAX 0.10 ``device_put(x, sharding,
         may_alias=False)`` from one device onto a mesh still reuses ``x``'s buffer as a
         shard (measured), so donating the placed array would delete the caller's.
+
+        Several processes (``jax.distributed``, a mesh over devices of all of them): each
+        process passes the same values, as host data or as arrays on its own devices, and
+        keeps its shards of them. Such a process-local array goes through a host copy, since
+        ``device_put`` onto devices of other processes is a cross-host transfer that the
+        CPU backend refuses; a global array on another layout is resharded by a compiled
+        identity (its collectives do the moving).
         """
         dyn = self._dynamic(args)
 
@@ -270,6 +282,10 @@ class LoweredStep:
             if isinstance(x, jax.Array):
                 if x.sharding.is_equivalent_to(s, x.ndim):
                     return x
+                if not s.is_fully_addressable:
+                    if not x.is_fully_addressable:
+                        return jax.jit(_identity, out_shardings=s)(x)
+                    return jax.device_put(np.array(x, copy=True), s, may_alias=False)
                 x = jax.device_put(x, x.sharding, may_alias=False)
             else:
                 x = np.array(x, copy=True)
