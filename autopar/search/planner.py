@@ -28,6 +28,7 @@ Example: the 2-layer MLP train step on one node of 8 A100s.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from autopar.axes import AXIS_NAMES, BATCH_AXES
@@ -42,7 +43,6 @@ from autopar.trace.graph import Graph
 
 _CLOSE = 0.10  # meshes whose bound is within this of the best step time get the full limit
 _LOSER_TIME_FRACTION = 0.25  # the others get this fraction of the solver time limit
-_POLISH_ROUNDS = 3  # re-solves of the written plan's own problem (one usually settles it)
 
 
 def _better(a: MeshResult, b: MeshResult) -> bool:
@@ -283,29 +283,26 @@ def _polish(
     pipeline: PipelinePlan | None,
     accumulation: Any,
 ) -> Plan:
-    """Solve the written plan's own problem (everything it pins fixed) and write the plan
-    from that solution, until its pins stop changing: what the plan leaves free (which
-    gather algorithm makes a pinned layout, ...) takes its cheapest choice, and the
-    prediction is exactly what ``evaluate_plan`` computes for the plan."""
-    for _ in range(_POLISH_ROUNDS):
-        bp, sol = complete_layouts(
-            graph,
-            plan,
-            cluster,
-            time_limit_s=options.solver_time_limit_s,
-            coarsen=options.coarsen,
-            accumulation=accumulation,
-        )
-        polished = MeshResult(dict(bp.ctx.mesh_dict), best.bound_s, bp, sol)
-        polished.evaluation = decode(bp, sol.choice, status=sol.status, memory_limit=limit)
-        polished.time_limit_s = best.time_limit_s
-        again = write_plan(polished, graph, cluster, limit, pipeline)
-        tried[tried.index(best)] = polished
-        best = polished
-        if again.activations == plan.activations:
-            return again
-        plan = again
-    return plan
+    """Solve the written plan's own problem (everything it pins fixed; the problem
+    ``evaluate_plan`` solves for it) and predict from that solution.
+
+    The plan keeps its pins; what they leave free (which algorithm makes a pinned layout,
+    when the first solve stopped at its time limit before the cheapest) takes its
+    cheapest choice, so the prediction is exactly what ``evaluate_plan`` reports for the
+    plan, and never more than the first solve's objective."""
+    bp, sol = complete_layouts(
+        graph,
+        plan,
+        cluster,
+        time_limit_s=options.solver_time_limit_s,
+        coarsen=options.coarsen,
+        accumulation=accumulation,
+    )
+    polished = MeshResult(dict(bp.ctx.mesh_dict), best.bound_s, bp, sol)
+    polished.evaluation = decode(bp, sol.choice, status=sol.status, memory_limit=limit)
+    polished.time_limit_s = best.time_limit_s
+    tried[tried.index(best)] = polished
+    return dataclasses.replace(plan, predicted=polished.evaluation.to_predicted())
 
 
 __all__ = [
