@@ -70,7 +70,9 @@ class Piece:
 
     Attributes:
         kind: ``"forward"`` or ``"backward"``.
-        stage: the stage (= device index along ``pipe``) that runs it.
+        stage: the stage that runs it: the device index along ``pipe``, or with
+            interleaving (``v`` chunks per device) the virtual stage, run by device
+            ``stage % p``.
         position: place on the chain ``F_0 .. F_{p-1}, B_{p-1} .. B_0``.
         eqns: the equations, in program order (split scans rewritten to ``L/p`` layers;
             constant-only equations it needs are included).
@@ -102,7 +104,9 @@ class StageCut:
     """``G`` cut into ``num_stages`` pipeline stages (from :func:`cut_stages`).
 
     Attributes:
-        num_stages: ``p``.
+        num_stages: ``p`` (with interleaved 1F1B: ``p v``, one stage per model chunk;
+            :func:`autopar.lower.pipeline.pipelined_gradients` maps chunk ``k`` to device
+            ``k % p``).
         stage_layers: ``[start, stop)`` layer ranges per stage (``graph.layers`` indices).
         pieces: ``2p`` pieces in chain order ``F_0 .. F_{p-1}, B_{p-1} .. B_0``.
         jaxpr: the inlined closed jaxpr of ``G``.
