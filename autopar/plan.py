@@ -174,8 +174,10 @@ class PipelinePlan:
     """How the step's batch is split and, when pipelined, staged.
 
     Attributes:
-        stages: layer ranges ``[start, stop)`` of ``graph.layers``, one per stage (one
-            range covering every layer: no pipelining, plain gradient accumulation).
+        stages: layer ranges ``[start, stop)`` of ``graph.layers``, one per stage, or per
+            chunk when interleaved (``chunks`` per device; device ``d`` runs ranges ``d,
+            p + d, ...``); one range covering every layer: no pipelining, plain gradient
+            accumulation.
         schedule: the pipeline schedule.
         microbatches: how many microbatches each step's batch is split into.
         chunks: stage chunks per device (interleaved 1F1B's virtual stages).
@@ -195,10 +197,17 @@ class PipelinePlan:
         object.__setattr__(self, "stage_remat", tuple(self.stage_remat))
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise LoadPlanError(f"pipeline microbatches={self.microbatches!r} must be >= 1")
+        if not isinstance(self.chunks, int) or self.chunks < 1 or len(self.stages) % self.chunks:
+            raise LoadPlanError(
+                f"pipeline chunks={self.chunks!r} must be >= 1 and divide the {len(self.stages)} "
+                "stage ranges (device d runs ranges d, p + d, 2p + d, ...)."
+            )
 
     @property
     def num_stages(self) -> int:
-        return len(self.stages)
+        """Pipeline stages, one per ``pipe`` device (``stages`` holds ``num_stages *
+        chunks`` chunk ranges when interleaved)."""
+        return len(self.stages) // max(self.chunks, 1)
 
     @property
     def virtual_stages(self) -> int:

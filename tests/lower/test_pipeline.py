@@ -524,12 +524,6 @@ def test_interleaved_step_from_split_equals_single_device():
     assert worst <= 2e-3, f"state diff {worst}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=LowerPlanError,
-    reason="lower/lowering.py checks pipe == len(plan.pipeline.stages); with chunks > 1 "
-    "the stages are the p*v chunk ranges, so it must compare len(stages) // chunks",
-)
 def test_interleaved_plan_from_the_plain_step_equals_single_device():
     """``autopar.baselines.pipeline``'s 1F1B plan edited to interleaved 1F1B (``chunks=2``,
     ``stages`` = the ``p v`` chunk ranges) and lowered with ``lower_plan``: the step's loss
