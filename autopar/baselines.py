@@ -455,6 +455,7 @@ def pipeline(
     microbatches: int,
     schedule: str = "1f1b",
     stages: Sequence[tuple[int, int]] | None = None,
+    virtual_stages: int = 1,
 ) -> Plan:
     """Pipeline parallelism over the mesh's ``pipe`` axis, data parallel over the rest.
 
@@ -462,7 +463,9 @@ def pipeline(
     equal size (or the ``[start, stop)`` ``stages`` given); a scanned layer stack and its
     optimizer state are sharded over ``pipe`` on the layer dim (each stage holds its
     layers), the batch over the other axes; the batch is split into ``microbatches``
-    that run in ``schedule`` (``"gpipe"`` or ``"1f1b"``).
+    that run in ``schedule`` (``"gpipe"``, ``"1f1b"``, or ``"interleaved-1f1b"`` with
+    ``virtual_stages`` chunks per device: the layers are then split into ``pipe *
+    virtual_stages`` equal chunks, device ``d`` running chunks ``d, pipe + d, ...``).
 
     Example:
         >>> from benchmarks.models.gpt import GPTConfig, make_train_step
@@ -489,7 +492,12 @@ def pipeline(
     graph = trace(fn, *args)
     acc = plan_accumulation(fn, args, microbatches, full=graph)
     ggraph = gradient_graph(acc, args)
-    stages = tuple(stages) if stages is not None else even_stages(len(ggraph.layers), p)
+    v = int(virtual_stages)
+    if v > 1 and schedule != "interleaved-1f1b":
+        raise InvalidOptionError(
+            f"virtual_stages={v} needs schedule='interleaved-1f1b'; got {schedule!r}."
+        )
+    stages = tuple(stages) if stages is not None else even_stages(len(ggraph.layers), p * v)
     cut = cut_stages(ggraph, stages, batch_inputs=acc.batch_inputs)
     data = tuple(a for a in batch_axes(mesh_d) if a != "pipe")
     plan = _build(graph, mesh_d, (), name=f"pipeline-{schedule}", batch_axes=data)
@@ -514,7 +522,7 @@ def pipeline(
         plan,
         inputs=inputs,
         outputs=outputs,
-        pipeline=PipelinePlan(stages, schedule, microbatches),
+        pipeline=PipelinePlan(stages, schedule, microbatches, chunks=v),
     ).bind(graph.in_tree, graph.out_tree)
 
 
