@@ -66,9 +66,11 @@ __all__ = [
     "PipelinedGradients",
     "Schedule",
     "StageCut",
+    "buffer_slots",
     "cut_stages",
     "make_schedule",
     "pipelined_gradients",
+    "send_slots",
 ]
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -287,6 +289,65 @@ def _key(aval: Any) -> tuple:
     return (tuple(aval.shape), np.dtype(aval.dtype))
 
 
+def _send_layouts(cut: StageCut) -> tuple[_Layout, _Layout]:
+    """The padded layouts every tick sends forward (to the next stage) and backward."""
+    p = cut.num_stages
+    fwd = _Layout([[cut.aval(v) for v in cut.forward(s).send] for s in range(p - 1)])
+    bwd = _Layout([[cut.aval(v) for v in cut.backward(s).send] for s in range(1, p)])
+    return fwd, bwd
+
+
+def _stash_layout(cut: StageCut) -> _Layout:
+    """The padded layout of what a stage keeps from its forward to its backward piece."""
+    return _Layout([[cut.aval(v) for v in cut.forward(s).stash] for s in range(cut.num_stages)])
+
+
+def buffer_slots(
+    cut: StageCut, schedule: Schedule
+) -> dict[str, tuple[int, tuple[tuple[tuple[int, ...], np.dtype], ...]]]:
+    """The slot buffers the pipeline carries from tick to tick, on every device:
+    ``{"forward" | "backward" | "stash": (slots, layout)}``, ``slots`` counting the spare
+    one idle ticks write to, ``layout`` the ``(shape, dtype)`` of one slot's arrays (as
+    :func:`send_slots`: per ``pipe`` device, other mesh axes left to the partitioner).
+    "forward" / "backward" hold received activations / cotangents, "stash" what a
+    stage keeps from a microbatch's forward for its backward (1F1B: the most microbatches
+    any stage holds, ``p``; GPipe: ``M``).
+
+    Example:
+        >>> loss = lambda ws, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), ws, x))
+        >>> g = autopar.trace(jax.value_and_grad(loss), [jnp.eye(4)] * 4, jnp.ones((2, 4)))
+        >>> cut = cut_stages(g, [(0, 2), (2, 4)], batch_inputs=[4])
+        >>> {k: n for k, (n, _) in buffer_slots(cut, make_schedule("gpipe", 2, 4)).items()}
+        {'forward': 2, 'backward': 2, 'stash': 5}
+    """
+    tabs = _tables(schedule)
+    fwd, bwd = _send_layouts(cut)
+    return {
+        "forward": (tabs.f_slots + 1, tuple(fwd.slots)),
+        "backward": (tabs.b_slots + 1, tuple(bwd.slots)),
+        "stash": (tabs.s_slots + 1, tuple(_stash_layout(cut).slots)),
+    }
+
+
+def send_slots(cut: StageCut) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+    """``(shape, dtype)`` of each buffer one tick of the pipeline sends: the forward
+    layout's slots, then the backward layout's (one ``ppermute`` each, every tick, idle
+    ticks included; none with one stage). Shapes are as laid out inside the program
+    (per ``pipe`` device; other mesh axes are left to the partitioner).
+
+    Example:
+        >>> loss = lambda ws, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), ws, x))
+        >>> g = autopar.trace(jax.value_and_grad(loss), [jnp.eye(4)] * 4, jnp.ones((2, 4)))
+        >>> cut = cut_stages(g, [(0, 2), (2, 4)], batch_inputs=[4])
+        >>> [(shape, str(dtype)) for shape, dtype in send_slots(cut)]  # [microbatch, 4]
+        [((2, 4), 'float32'), ((2, 4), 'float32')]
+    """
+    if cut.num_stages < 2:
+        return ()
+    fwd, bwd = _send_layouts(cut)
+    return tuple(fwd.slots) + tuple(bwd.slots)
+
+
 def _allocate(intervals: Sequence[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
     """Slots for values written at the end of tick ``w`` and read at tick ``r > w``: a slot
     is free again from its reader's tick (the read comes before that tick's writes)."""
@@ -433,6 +494,32 @@ class PipelinedGradients:
         """``NamedSharding`` per flat input: where the pipeline wants each input."""
         return [jax.sharding.NamedSharding(self.mesh, s) for s in self.in_specs]
 
+    @property
+    def sends_per_step(self) -> int:
+        """``ppermute`` s one step runs: ticks x buffers sent per tick
+        (:func:`send_slots`)."""
+        return len(self.schedule.ticks) * len(send_slots(self.cut))
+
+    @property
+    def send_bytes(self) -> int:
+        """Bytes one ``pipe`` device sends in one step: ticks x the padded buffers of a
+        tick, as the program lays them out (a partitioner that splits a buffer over other
+        mesh axes sends that share of it per device).
+
+        Example:
+            >>> loss = lambda ws, x: jnp.mean(functools.reduce(lambda h, w: h @ w, ws, x))
+            >>> g = autopar.trace(jax.value_and_grad(loss), [jnp.eye(4)] * 4, jnp.ones((2, 4)))
+            >>> cut = cut_stages(g, [(0, 2), (2, 4)], batch_inputs=[4])
+            >>> mesh = autopar.lower.make_mesh({"pipe": 2, "data": 4})
+            >>> run = pipelined_gradients(cut, "1f1b", 4, mesh)
+            >>> len(run.schedule.ticks), run.sends_per_step, run.send_bytes  # [2, 4] f32 each
+            (10, 20, 640)
+        """
+        per_tick = sum(
+            int(np.prod(shape)) * dtype.itemsize for shape, dtype in send_slots(self.cut)
+        )
+        return len(self.schedule.ticks) * per_tick
+
 
 def pipelined_gradients(
     cut: StageCut,
@@ -535,11 +622,8 @@ def _pipeline_body(
     jaxpr = cut.jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, cut.jaxpr.consts, strict=True))
     batch = set(cut.batch_inputs)
-    fwd_groups = [cut.forward(s).send for s in range(p - 1)]
-    bwd_groups = [cut.backward(s).send for s in range(1, p)]
-    f_layout = _Layout([[cut.aval(v) for v in g] for g in fwd_groups])
-    b_layout = _Layout([[cut.aval(v) for v in g] for g in bwd_groups])
-    s_layout = _Layout([[cut.aval(v) for v in cut.forward(s).stash] for s in range(p)])
+    f_layout, b_layout = _send_layouts(cut)
+    s_layout = _stash_layout(cut)
     out_avals = [cut.aval(v) for v in jaxpr.outvars]
 
     def branch_of(pc: Piece | None) -> Callable[..., Any]:

@@ -14,15 +14,22 @@ priced in four steps, each from a model the rest of the search already uses:
    after it (the head's backward to the last stage). That gives per-stage forward and
    backward seconds of one microbatch.
 3. **Schedule.** ``cost_models.simulate_schedule`` runs the schedule (GPipe, 1F1B) op by
-   op with those stage times and the time to send one boundary activation between
-   neighbours (``p2p`` over the ``pipe`` axis): its makespan is the pipeline's time and
-   ``makespan - busiest stage's work`` its bubble. The update runs once after the flush
-   (its ops priced as in 1); parameters replicated over ``pipe`` (everything but a
-   scanned layer stack) have their gradients all-reduced over ``pipe`` first.
-4. **Memory** per device: the stage's share of parameters, optimizer state and
-   accumulators (a scanned stack is split over ``pipe``, the rest replicated), plus
-   its share of one microbatch's activations times the schedule's in-flight
-   microbatches on that stage (GPipe ``m``, 1F1B ``p - s``).
+   op with those stage times and the time of one direction's sends between neighbours
+   (``p2p`` over the ``pipe`` axis): its makespan is the pipeline's time and
+   ``makespan - busiest stage's work`` its bubble. The sends are the runtime's
+   (:mod:`autopar.lower.pipeline`): every tick of the schedule's table, one ``ppermute``
+   per buffer of the padded forward and backward layouts (idle ticks send zeros), so the
+   predicted ``collective-permute`` count and bytes are ticks x buffers and ticks x their
+   bytes per device, which is what the compiled program runs. The update runs once
+   after the flush (its ops priced as in 1); parameters replicated over ``pipe``
+   (everything but a scanned layer stack) have their gradients all-reduced over ``pipe``
+   first. The stages' own collectives (over the other axes) are reported as the
+   intra-op pricing emits them, per microbatch times ``m``, summed over the stages.
+4. **Memory** per device: the stage's share of parameters and optimizer state (a
+   scanned stack is split over ``pipe``, the rest replicated), the accumulators, and
+   what the runtime carries from tick to tick on every device: its stash of in-flight
+   microbatches (the most any stage keeps: GPipe ``m``, 1F1B ``p``), the spare stash
+   slot, the receive buffers, and one tick's working set (:func:`_stage_memory`).
 
 The step time reported is the makespan plus the update, the exposed gradient all-reduce
 and the compute of the update; its parts are in ``Evaluation.extra``.
@@ -39,14 +46,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 import cost_models
-from autopar.errors import LoadPlanError
+from autopar.errors import LoadPlanError, LowerPlanError
 from autopar.plan import PipelinePlan, Plan, PredictedCollective, TensorSharding
 from autopar.search.evaluate import Evaluation, complete_layouts
 from autopar.search.pricing import (
+    price_choice,
     price_reshard,
     price_strategy,
     reshard_linear_s,
@@ -205,12 +216,26 @@ def evaluate_pipeline(
         w = min(op.weight, bp.ops[e.ref.op].weight)
         colls = price_reshard(ctx, t, have, need, source=bp.leader(e.ref.op))
         charge(op, w * reshard_linear_s(colls, eta))
-    # Stage-to-stage sends: the activation entering each boundary (its size per device:
-    # the microbatch's share on the stage's data-parallel devices).
+    # Stage-to-stage sends: what the runtime sends (autopar.lower.pipeline): every tick,
+    # one ppermute per slot of the padded forward and backward layouts.
     pipe_ctx = type(ctx)(cluster, {**{pipe_axis: p}, **sub})
-    boundary = _boundary_bytes(micro, pp.stages, bp, choice)
-    p2p = pipe_ctx.collective("p2p", boundary, (pipe_axis,)).time_s if boundary else 0.0
-    sim = cost_models.simulate_schedule(pp.schedule, fwd, bwd, m, p2p=p2p)
+    prog = _pipeline_program(graph, plan, accumulation, pipe_axis)
+    if prog is not None:
+        ticks, psums = prog.ticks, prog.psums
+
+        def send_s(sends: Sequence[float]) -> float:
+            return sum(pipe_ctx.collective("p2p", b, (pipe_axis,)).time_s for b in sends if b)
+
+        p2p_s, p2p_bytes = ticks * send_s(prog.sends), ticks * sum(prog.sends)
+        p2p_count = ticks * len(prog.sends)
+        # A dependency between stages waits for one direction's sends.
+        sim_p2p = max(send_s(prog.forward_sends), send_s(prog.backward_sends))
+    else:  # a schedule or cut the runtime does not run: the boundary activation, estimated
+        boundary = _boundary_bytes(micro, pp.stages, bp, choice)
+        sim_p2p = pipe_ctx.collective("p2p", boundary, (pipe_axis,)).time_s if boundary else 0.0
+        p2p_count = 2 * m * (p - 1)
+        p2p_s, p2p_bytes, psums = sim_p2p * p2p_count / p, boundary * p2p_count / p, 1
+    sim = cost_models.simulate_schedule(pp.schedule, fwd, bwd, m, p2p=sim_p2p)
     # Gradients of parameters replicated over pipe are summed over it after the flush.
     replicated = sum(
         bp.value_bytes(v, choice)
@@ -221,31 +246,42 @@ def evaluate_pipeline(
     ar_s = ar.time_s if ar is not None else 0.0
     step = sim.makespan + upd + ar_s
     compute = sum(fwd) / p * m + sum(bwd) / p * m  # mean stage work per device
-    sends = 2 * m * (p - 1)
     collectives = [
         PredictedCollective(
-            "collective-permute",
-            (pipe_axis,),
-            boundary * sends / p,
-            sends,
-            p2p * sends / p,
-            "pipeline_p2p",
+            "collective-permute", (pipe_axis,), p2p_bytes, p2p_count, p2p_s, "pipeline_p2p"
         )
     ]
+    # The stages' own collectives (over the other mesh axes), as the intra-op pricing
+    # emits them for one microbatch times m (their seconds are in the stage times).
+    intra: dict[tuple[str, tuple[str, ...], str], list[float]] = {}
+    for c in price_choice(bp, choice).emitted:
+        tot = intra.setdefault((c.kind, c.axes, c.cls), [0.0, 0.0, 0.0])
+        tot[0] += c.executions * c.nbytes
+        tot[1] += c.executions
+        tot[2] += c.executions * c.own_s
+    collectives += [
+        PredictedCollective(kind, axes, b, max(1, round(n)), t, cls)
+        for (kind, axes, cls), (b, n, t) in sorted(intra.items())
+    ]
     if ar is not None:
+        # One psum per output of G not split over pipe (replicated gradients, the loss).
         collectives.append(
-            PredictedCollective("all-reduce", (pipe_axis,), replicated, 1, ar_s, "dp_grad")
+            PredictedCollective(
+                "all-reduce", (pipe_axis,), replicated, max(1, psums), ar_s, "dp_grad"
+            )
         )
-    mem, breakdown = _stage_memory(bp, choice, graph, stacked_in, p, sim.peak_inflight, m)
+    mem, breakdown = _stage_memory(
+        bp, choice, graph, stacked_in, p, sim.peak_inflight, m, prog, accumulation
+    )
     return Evaluation(
         mesh=dict(plan.mesh),
         objective_s=step,
         step_time_s=step,
         compute_s=compute,
         backward_compute_s=sum(bwd) / p * m,
-        communication_s=ar_s + p2p * sends / p,
+        communication_s=ar_s + p2p_s,
         exposed_communication_s=step - compute - sim.bubble_s,
-        communication_by_class={"pipeline_p2p": p2p * sends / p, "dp_grad": ar_s},
+        communication_by_class={"pipeline_p2p": p2p_s, "dp_grad": ar_s},
         collectives=tuple(collectives),
         memory_bytes_per_device=mem,
         memory_breakdown=breakdown,
@@ -260,9 +296,89 @@ def evaluate_pipeline(
             "stage_forward_s": tuple(fwd),
             "stage_backward_s": tuple(bwd),
             "update_s": upd,
-            "p2p_s": p2p,
+            "p2p_s": sim_p2p,
+            "p2p_from": "program" if prog is not None else "estimate",
             "peak_inflight": sim.peak_inflight,
         },
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What the lowered pipeline (:mod:`autopar.lower.pipeline`) runs, in bytes per
+    device: its ticks, the buffers one tick sends, the buffers it carries from tick to
+    tick (``name -> (slots, bytes of one slot)``), how many outputs of ``G`` it sums over
+    ``pipe`` after the flush, and which outputs of ``G`` stay split over ``pipe``."""
+
+    ticks: int
+    sends: tuple[float, ...]
+    forward_sends: tuple[float, ...]
+    backward_sends: tuple[float, ...]
+    buffers: dict[str, tuple[int, float]]
+    psums: int
+    stacked_outputs: frozenset[int]
+
+
+def _pipeline_program(
+    graph: Graph, plan: Plan, accumulation: Any, pipe_axis: str
+) -> _Program | None:
+    """The runtime's own schedule, cut and padded layouts for this plan
+    (:func:`autopar.lower.pipeline.send_slots`, :func:`~autopar.lower.pipeline.buffer_slots`),
+    or ``None`` if the runtime cannot run it (then the caller estimates).
+
+    An array whose leading dimension (or, for a scanned stack's residual, the one after
+    the layer axis) is the microbatch is split over the mesh axes the plan splits the
+    batch over (the partitioner keeps the batch split through the stages; XLA pads an
+    uneven split); other arrays are whole on every device."""
+    import jax
+
+    # The cost model counts what the runtime runs: its schedule and its layouts.
+    from autopar.lower.pipeline import buffer_slots, cut_stages, make_schedule, send_slots
+    from autopar.lower.split import AccumulateError, gradient_graph
+
+    pp = plan.pipeline
+    if graph.in_tree is None:
+        return None
+    try:
+        schedule = make_schedule(
+            pp.schedule, plan.mesh[pipe_axis], pp.microbatches, pp.virtual_stages
+        )
+        leaves = [jax.ShapeDtypeStruct(gi.tensor.shape, gi.tensor.dtype) for gi in graph.inputs]
+        args = jax.tree_util.tree_unflatten(graph.in_tree, leaves)[0]
+        cut = cut_stages(
+            gradient_graph(accumulation, args), pp.stages, batch_inputs=accumulation.batch_inputs
+        )
+    except (AccumulateError, LowerPlanError):
+        return None
+    split, rows = 1, None
+    for i in accumulation.batch_inputs:
+        gi, rec = graph.inputs[i], plan.inputs[i]
+        if gi.tensor.shape and rec.spec:
+            rows = gi.tensor.shape[0] // pp.microbatches
+            entry = rec.spec[0]
+            axes = () if entry is None else ((entry,) if isinstance(entry, str) else entry)
+            split = math.prod(plan.mesh[a] for a in axes if a != pipe_axis)
+            break
+
+    def per_device(shape: tuple[int, ...], dtype: Any) -> float:
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        for d in range(min(2, len(shape))):
+            if split > 1 and shape[d] == rows:
+                return float(nbytes // shape[d] * math.ceil(shape[d] / split))
+        return float(nbytes)
+
+    slots = buffer_slots(cut, schedule)
+    return _Program(
+        ticks=len(schedule.ticks),
+        sends=tuple(per_device(*key) for key in send_slots(cut)),
+        forward_sends=tuple(per_device(*key) for key in slots["forward"][1]),
+        backward_sends=tuple(per_device(*key) for key in slots["backward"][1]),
+        buffers={
+            name: (n, sum(per_device(*key) for key in layout))
+            for name, (n, layout) in slots.items()
+        },
+        psums=len(cut.jaxpr.jaxpr.outvars) - len(cut.stacked_outputs),
+        stacked_outputs=frozenset(cut.stacked_outputs),
     )
 
 
@@ -312,24 +428,50 @@ def _stage_memory(
     p: int,
     inflight: Sequence[int],
     m: int,
+    prog: _Program | None = None,
+    accumulation: Any = None,
 ) -> tuple[float, dict[str, float]]:
-    """The busiest stage's bytes per device: state (a stacked leaf's 1/p), accumulators,
-    and its share of one microbatch's activations times its in-flight microbatches.
-    Accumulators are counted whole (those of a stacked leaf are split in the program:
-    an over-estimate of at most the stack's gradients)."""
+    """Bytes per device: state (a stacked leaf's 1/p), accumulators, and activations.
+
+    With the runtime's program (``prog``), the activations are what it holds on every
+    device (the SPMD program is the same on all stages): the stash buffer, ``K + 1``
+    slots of the padded stash layout (``"activations"``: ``K``, the most microbatches any
+    stage keeps; ``"pipeline_buffers"``: the spare slot idle ticks write to and the
+    receive buffers), and what one tick adds (``"pipeline_tick"``: the switch's results,
+    a stash slot and a gradient contribution as large as the accumulators, and the
+    tick's sends), while the accumulators of a stacked leaf are split over ``pipe``. The tick's working set is where XLA decides
+    most (measured on the zoo GPT, tiny, fp32, {pipe: 2, data: 4}: a scanned stack's
+    pieces copy their residuals out of the inner loop, about one more stash slot than
+    this; unrolled layers write theirs in place, about one slot less); the buffers it
+    carries across ticks are exact. Without ``prog``: the busiest stage's share of one
+    microbatch's activations times its in-flight microbatches, accumulators whole."""
     _, _, breakdown = bp.peak(choice)
     n_in = len(graph.inputs)
     state: dict[str, float] = {}
+    summed = []
+    if prog is not None and accumulation is not None:
+        # Accumulators follow the gradient handoffs that are summed or averaged.
+        summed = [h for h, rule in enumerate(accumulation.rules) if rule in ("mean", "sum")]
     for i, v in enumerate(bp.persistent):
         b = bp.value_bytes(v, choice)
         if i < n_in and i in stacked_in:
             b /= p  # a scanned stack: each stage holds its layers
+        elif prog is not None and n_in <= i < n_in + len(summed):
+            if summed[i - n_in] in prog.stacked_outputs:
+                b /= p  # the gradient of a scanned stack: each stage sums its layers'
         state[v.category] = state.get(v.category, 0.0) + b
-    act = sum(b for k, b in breakdown.items() if k not in state)
-    worst = max(inflight) if inflight else m
-    per_stage_act = act / p * worst
     out = dict(state)
-    out["activations"] = per_stage_act
+    if prog is None:
+        act = sum(b for k, b in breakdown.items() if k not in state)
+        worst = max(inflight) if inflight else m
+        out["activations"] = act / p * worst
+        return sum(out.values()), out
+    stash_slots, stash = prog.buffers["stash"]
+    out["activations"] = (stash_slots - 1) * stash  # the microbatches in flight
+    out["pipeline_buffers"] = stash + sum(  # the spare stash slot, the receive buffers
+        n * b for name, (n, b) in prog.buffers.items() if name != "stash"
+    )
+    out["pipeline_tick"] = stash + state.get("grads", 0.0) + sum(prog.sends)
     return sum(out.values()), out
 
 

@@ -95,6 +95,9 @@ class HloCollective:
         trip_count_known: ``False`` if an enclosing loop's trip count could not be read
             (the count then assumes one iteration).
         op_name: the JAX operation it comes from (HLO ``metadata={op_name=...}``).
+        branches: the ``conditional`` s it sits in, outermost first, as
+            ``(instruction, branch index, number of branches)`` (``count`` assumes every
+            branch runs each time its conditional does: which one runs is data).
     """
 
     kind: str
@@ -107,6 +110,7 @@ class HloCollective:
     dtype: str = ""
     trip_count_known: bool = True
     op_name: str = ""
+    branches: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def total_bytes(self) -> float:
@@ -390,13 +394,23 @@ def group_axes(groups: Sequence[Sequence[int]], mesh: Mapping[str, int]) -> tupl
 # ------------------------------------------------------------------------------- counting
 
 
-def _int_constant(ins: _Instr) -> int | None:
-    if ins.opcode != "constant":
+def _int_constant(ins: _Instr | None) -> int | None:
+    if ins is None or ins.opcode != "constant":
         return None
     m = re.match(r"value=\s*(-?\d+)\s*$", ins.attrs.split(",")[0]) or re.match(
         r"value=\s*(-?\d+)", ins.attrs
     )
     return int(m.group(1)) if m else None
+
+
+def _skip_copies(comp: _Comp, ins: _Instr | None) -> _Instr | None:
+    """The instruction a chain of ``copy`` s starts from (the SPMD partitioner wraps a
+    ``shard_map`` loop's counter and bound in copies)."""
+    seen = 0
+    while ins is not None and ins.opcode == "copy" and ins.operands and seen < 64:
+        ins = comp.instrs.get(ins.operands[0])
+        seen += 1
+    return ins
 
 
 def _trip_count(comps: Mapping[str, _Comp], caller: _Comp, w: _Instr) -> int | None:
@@ -412,7 +426,7 @@ def _trip_count(comps: Mapping[str, _Comp], caller: _Comp, w: _Instr) -> int | N
     if root is None or root.opcode != "compare" or len(root.operands) != 2:
         return None
     direction = re.search(r"direction=(\w+)", root.attrs)
-    a, b = (cond.instrs.get(o) for o in root.operands)
+    a, b = (_skip_copies(cond, cond.instrs.get(o)) for o in root.operands)
     if a is None or b is None:
         return None
     direction_s = direction.group(1) if direction else ""
@@ -429,7 +443,7 @@ def _trip_count(comps: Mapping[str, _Comp], caller: _Comp, w: _Instr) -> int | N
     init_tuple = caller.instrs.get(w.operands[0])
     if init_tuple is None or init_tuple.opcode != "tuple" or idx >= len(init_tuple.operands):
         return None
-    init = caller.instrs.get(init_tuple.operands[idx])
+    init = _skip_copies(caller, caller.instrs.get(init_tuple.operands[idx]))
     start = _int_constant(init) if init is not None else None
     if start is None:
         return None
@@ -438,9 +452,13 @@ def _trip_count(comps: Mapping[str, _Comp], caller: _Comp, w: _Instr) -> int | N
         body = comps[bm.group(1)]
         broot = body.instrs.get(body.root or "")
         if broot is not None and broot.opcode == "tuple" and idx < len(broot.operands):
-            upd = body.instrs.get(broot.operands[idx])
+            upd = _skip_copies(body, body.instrs.get(broot.operands[idx]))
             if upd is not None and upd.opcode == "add":
-                consts = [_int_constant(body.instrs[o]) for o in upd.operands if o in body.instrs]
+                consts = [
+                    _int_constant(_skip_copies(body, body.instrs[o]))
+                    for o in upd.operands
+                    if o in body.instrs
+                ]
                 consts = [c for c in consts if c is not None]
                 if consts:
                     step = consts[0]
@@ -451,6 +469,36 @@ def _trip_count(comps: Mapping[str, _Comp], caller: _Comp, w: _Instr) -> int | N
     if direction_s == "LE":
         return max(0, math.floor((limit - start) / step) + 1)
     return None
+
+
+def _branch_paths(comps: Mapping[str, _Comp]) -> dict[str, tuple[tuple[str, int, int], ...]]:
+    """The conditionals each computation is reached through from the entry, outermost
+    first (the first path found where there are several)."""
+    paths: dict[str, tuple[tuple[str, int, int], ...]] = {}
+    todo = [c.name for c in comps.values() if c.entry]
+    for name in todo:
+        paths[name] = ()
+    while todo:
+        comp = comps[todo.pop()]
+        here = paths[comp.name]
+        for ins in comp.instrs.values():
+            callees: list[tuple[str, tuple[tuple[str, int, int], ...]]] = []
+            bc = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+            if bc:
+                names = re.findall(r"%?([\w.\-]+)", bc.group(1))
+                callees += [(n, (*here, (ins.name, k, len(names)))) for k, n in enumerate(names)]
+            tm = re.search(r"true_computation=%?([\w.\-]+)", ins.attrs)
+            fm = re.search(r"false_computation=%?([\w.\-]+)", ins.attrs)
+            if tm and fm:  # a predicate conditional: true is branch 0
+                callees += [(tm.group(1), (*here, (ins.name, 0, 2)))]
+                callees += [(fm.group(1), (*here, (ins.name, 1, 2)))]
+            for m in re.finditer(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", ins.attrs):
+                callees.append((m.group(1), here))
+            for callee, path in callees:
+                if callee in comps and callee not in paths:
+                    paths[callee] = path
+                    todo.append(callee)
+    return paths
 
 
 def _multipliers(comps: Mapping[str, _Comp]) -> dict[str, tuple[int, bool]]:
@@ -549,6 +597,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
     if not comps:
         raise ParseHloError("no HLO computations found in the text.")
     mults = _multipliers(comps)
+    paths = _branch_paths(comps)
     out: list[HloCollective] = []
     for comp in comps.values():
         count, known = mults[comp.name]
@@ -598,6 +647,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
                     dtype=_first_dtype(type_str),
                     trip_count_known=known,
                     op_name=_op_name(ins.attrs),
+                    branches=paths.get(comp.name, ()),
                 )
             )
     return out

@@ -18,6 +18,11 @@ what ``plan.predicted.collectives`` said with what XLA emitted:
 Counts are shown but not checked: XLA emits one collective per tensor where a cost model
 may price a fused bucket.
 
+Pipeline plans (``plan.pipeline`` over a ``pipe`` axis): the stage-to-stage
+``collective-permute`` s sit in the tick loop and count once per tick (what
+``autopar.evaluate`` predicts, exactly); collectives inside a stage's forward or backward
+piece count once per microbatch, not per tick (:func:`_pipeline_pieces`).
+
 Example:
     >>> lowered = autopar.lower.lower_plan(step, plan, (state, batch), graph=graph)
     >>> report = verify(plan, lowered, state, batch)
@@ -32,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -288,6 +294,46 @@ def _memory(obj: Any, args: Sequence[Any], plan: Plan) -> MemoryRow | None:
     )
 
 
+def _pipeline_pieces(
+    plan: Plan, colls: list[HloCollective]
+) -> tuple[list[HloCollective], str | None]:
+    """A pipeline's collectives inside one stage's forward or backward piece, counted as
+    often as that piece runs: ``M`` times per step, not every tick.
+
+    The pipeline (:mod:`autopar.lower.pipeline`) runs a ``lax.switch`` every tick over
+    ``1 + 2 n`` branches (idle, then the ``n`` stages' (chunks') forward and backward
+    pieces); the HLO parser counts every branch of a conditional each time it runs. A
+    piece runs once per microbatch on its stage's devices, so its collectives count ``M``
+    per step and a row adds the stages up (what the cost model's per-microbatch work,
+    over all stages, times ``M`` predicts)."""
+    pp = plan.pipeline
+    if pp is None or pp.num_stages < 2:
+        return colls, None
+    from autopar.errors import LowerPlanError
+    from autopar.lower.pipeline import make_schedule
+
+    try:
+        p_dev = plan.mesh.get("pipe", pp.num_stages)
+        sched = make_schedule(pp.schedule, p_dev, pp.microbatches, pp.virtual_stages)
+    except LowerPlanError:
+        return colls, None
+    ticks, m, n = len(sched.ticks), pp.microbatches, 2 * len(pp.stages) + 1
+    out, moved = [], 0
+    for c in colls:
+        piece = next((b for b in c.branches if b[2] == n and b[1] > 0), None)
+        if piece is not None and c.count % ticks == 0:
+            c = dataclasses.replace(c, count=c.count // ticks * m)
+            moved += 1
+        out.append(c)
+    if not moved:
+        return out, None
+    return out, (
+        f"{moved} collective(s) inside a stage's piece count {m} runs per step (one per "
+        f"microbatch; the pipeline's switch runs one piece per tick of {ticks}); rows add "
+        "the stages up"
+    )
+
+
 def verify(
     plan: Plan,
     lowered: Any,
@@ -339,6 +385,9 @@ def verify(
         )
     if any(not c.trip_count_known for c in colls):
         notes.append("a loop trip count could not be read; its collectives count once")
+    colls, note = _pipeline_pieces(plan, colls)
+    if note:
+        notes.append(note)
 
     mesh = dict(plan.mesh)
     total = sum(c.total_bytes for c in colls)
