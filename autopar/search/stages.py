@@ -155,6 +155,12 @@ def evaluate_pipeline(
             f"the plan has {p} stages but its mesh {dict(plan.mesh)} has no {pipe_axis!r} "
             f"axis of {p} devices."
         )
+    if pp.chunks > 1:
+        raise LoadPlanError(
+            f"the plan interleaves {pp.chunks} chunks per device: interleaved 1F1B runs "
+            "(autopar.lower.lower_plan) but is not priced yet; score it with chunks=1 "
+            "(cost_models.simulate_schedule gives its bubble for uniform stages)."
+        )
     if accumulation is None or accumulation.microbatches != m:
         raise LoadPlanError(
             f"a pipeline of {m} microbatches is scored from the step function "
