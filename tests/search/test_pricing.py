@@ -46,10 +46,20 @@ def _options(model: str, shape) -> SearchOptions:
     return SearchOptions(mesh=mesh_for(shape, kind))
 
 
-@pytest.mark.parametrize(
-    "shape", SHAPES, ids=lambda s: "open" if s is None else "x".join(map(str, s))
-)
-@pytest.mark.parametrize("model", MODELS)
+# MoE on the open and the 2x2x2 mesh take ~50 s each (a 540-node ILP solved to its time
+# limit on 2 cores): every case runs with `pytest -m slow`, the rest by default.
+_SLOW = {("moe", None), ("moe", (2, 2, 2))}
+
+
+def _cases():
+    for model in MODELS:
+        for shape in SHAPES:
+            marks = (pytest.mark.slow,) if (model, shape) in _SLOW else ()
+            name = "open" if shape is None else "x".join(map(str, shape))
+            yield pytest.param(model, shape, marks=marks, id=f"{model}-{name}")
+
+
+@pytest.mark.parametrize("model,shape", list(_cases()))
 def test_objective_is_the_reported_step_time(model, shape):
     graph = _graph(model)
     results: list = []
