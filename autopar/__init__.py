@@ -29,6 +29,7 @@ from autopar.api import (  # noqa: E402
     verify,
 )
 from autopar.errors import (  # noqa: E402
+    AccumulateError,
     AutoparError,
     InfeasiblePlanError,
     InvalidOptionError,
@@ -53,6 +54,7 @@ from cost_models import Cluster  # noqa: E402
 __all__ = [
     "ActivationConstraint",
     "AutoParallel",
+    "AccumulateError",
     "AutoparError",
     "Cluster",
     "Graph",

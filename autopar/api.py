@@ -121,6 +121,13 @@ def _plan_graph(
     return plan_graph(graph, cluster, options, accumulation=acc)
 
 
+def _program(graph: Graph, plan: Plan, acc: Any) -> Any:
+    """What the lowered pipeline of ``plan`` runs (sends, buffers), for its pricing."""
+    from autopar.lower.program import pipeline_program
+
+    return pipeline_program(graph, plan, acc)
+
+
 def _plan_pipeline(
     fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions, m: int
 ) -> Plan:
@@ -160,7 +167,9 @@ def _plan_pipeline(
     )
     acc = _accumulation(fn, args, graph, m)
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
-    ev = evaluate_pipeline(graph, plan, cluster, acc, memory_limit_bytes=limit)
+    ev = evaluate_pipeline(
+        graph, plan, cluster, acc, memory_limit_bytes=limit, program=_program(graph, plan, acc)
+    )
     if not ev.fits:
         from autopar.errors import InfeasiblePlanError
 
@@ -226,7 +235,9 @@ def evaluate(
                 "a pipeline plan is scored from the step function: "
                 "autopar.evaluate(fn, plan, cluster, *args)."
             )
-        return evaluate_pipeline(graph, plan, _resolve_cluster(cluster), acc)
+        return evaluate_pipeline(
+            graph, plan, _resolve_cluster(cluster), acc, program=_program(graph, plan, acc)
+        )
     return evaluate_plan(graph, plan, _resolve_cluster(cluster), accumulation=acc)
 
 

@@ -35,6 +35,12 @@ class LowerPlanError(AutoparError):
     """A plan could not be turned into a sharded JAX program."""
 
 
+class AccumulateError(LowerPlanError):
+    """A step cannot be split into microbatches without changing its result (batch
+    statistics, a loss that is not a sum or mean over the batch, ...); the message names
+    the equation."""
+
+
 class UnknownPresetError(AutoparError, KeyError):
     """A named preset (cluster, device, model) does not exist."""
 

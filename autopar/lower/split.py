@@ -45,7 +45,7 @@ import numpy as np
 from jax.extend.core import DropVar
 from jax.extend.core import Literal as JaxLiteral
 
-from autopar.errors import LowerPlanError
+from autopar.errors import AccumulateError
 from autopar.trace.evaluate import Hook, IntoBodies, read_var, run_equations
 from autopar.trace.graph import Graph
 
@@ -77,10 +77,6 @@ _LINEAR = frozenset(
 only by values that do not depend on the batch)."""
 
 _SCALING = frozenset({"mul", "div", "dot_general", "select_n"})
-
-
-class AccumulateError(LowerPlanError):
-    """The step cannot be microbatched without changing its result."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ Example:
     >>> from benchmarks.models.gpt import GPTConfig, make_train_step
     >>> gstep, gargs = make_train_step(GPTConfig.preset("tiny"), 8)
     >>> plan = autopar.baselines.pipeline(gstep, {"pipe": 2, "data": 4}, *gargs, microbatches=4)
-    >>> ev = autopar.evaluate(gstep, plan, cluster, *gargs)
+    >>> ev = autopar.evaluate(gstep, plan, cluster, *gargs)  # the program read off the runtime
     >>> ev.extra["bubble_s"] > 0, ev.step_time_s > ev.compute_s
     (True, True)
 """
@@ -46,14 +46,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 import cost_models
-from autopar.errors import LoadPlanError, LowerPlanError
+from autopar.errors import LoadPlanError
 from autopar.plan import PipelinePlan, Plan, PredictedCollective, TensorSharding
 from autopar.search.evaluate import Evaluation, complete_layouts
 from autopar.search.pricing import (
@@ -95,34 +92,24 @@ def node_stages(graph: Graph, stages: Sequence[tuple[int, int]]) -> dict[int, li
                 share = scan_share.setdefault(nid, [0.0] * p)
                 share[stage_of_layer.get(layer.index, 0)] += 1.0
     out: dict[int, list[float]] = {}
-    current = 0
-    for n in graph.nodes:  # forward: unlabelled work goes with the layer before it
-        if n.phase == "backward":
-            continue
-        if n.id in scan_share:
-            tot = sum(scan_share[n.id])
-            out[n.id] = [x / tot for x in scan_share[n.id]]
-            current = max(s for s, x in enumerate(out[n.id]) if x)
-            continue
-        if n.layer is not None and n.layer in stage_of_layer:
-            current = stage_of_layer[n.layer]
-        share = [0.0] * p
-        share[current] = 1.0
-        out[n.id] = share
-    current = p - 1
-    for n in graph.nodes:  # backward: unlabelled work goes with the layer after it
-        if n.phase != "backward":
-            continue
-        if n.id in scan_share:
-            tot = sum(scan_share[n.id])
-            out[n.id] = [x / tot for x in scan_share[n.id]]
-            current = min(s for s, x in enumerate(out[n.id]) if x)
-            continue
-        if n.layer is not None and n.layer in stage_of_layer:
-            current = stage_of_layer[n.layer]
-        share = [0.0] * p
-        share[current] = 1.0
-        out[n.id] = share
+    # Forward: unlabelled work goes with the layer before it (the embedding to the first
+    # stage); backward, walked in program order too, with the layer after it (the
+    # head's backward to the last stage).
+    for backward, start, edge in ((False, 0, max), (True, p - 1, min)):
+        current = start
+        for n in graph.nodes:
+            if (n.phase == "backward") != backward:
+                continue
+            if n.id in scan_share:
+                tot = sum(scan_share[n.id])
+                out[n.id] = [x / tot for x in scan_share[n.id]]
+                current = edge(s for s, x in enumerate(out[n.id]) if x)
+                continue
+            if n.layer is not None and n.layer in stage_of_layer:
+                current = stage_of_layer[n.layer]
+            share = [0.0] * p
+            share[current] = 1.0
+            out[n.id] = share
     return out
 
 
@@ -135,6 +122,7 @@ def evaluate_pipeline(
     time_limit_s: float = 60.0,
     memory_limit_bytes: float | None = None,
     pipe_axis: str = "pipe",
+    program: Any = None,
 ) -> Evaluation:
     """Price a pipeline plan (see the module docstring).
 
@@ -144,6 +132,9 @@ def evaluate_pipeline(
         cluster: a ``cost_models.Cluster``.
         accumulation: the step analysed for the plan's microbatches
             (:func:`autopar.lower.split.plan_accumulation`).
+        program: what the lowered pipeline runs
+            (:func:`autopar.lower.program.pipeline_program`: ticks, sends, buffers); without
+            it the sends are estimated from the boundary activation.
 
     Raises:
         LoadPlanError: the plan's mesh has no ``pipe`` axis of the plan's stage count.
@@ -225,7 +216,7 @@ def evaluate_pipeline(
     # Stage-to-stage sends: what the runtime sends (autopar.lower.pipeline): every tick,
     # one ppermute per slot of the padded forward and backward layouts.
     pipe_ctx = type(ctx)(cluster, {**{pipe_axis: p}, **sub})
-    prog = _pipeline_program(graph, plan, accumulation, pipe_axis)
+    prog = program
     if prog is not None:
         ticks, psums = prog.ticks, prog.psums
 
@@ -309,85 +300,6 @@ def evaluate_pipeline(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Program:
-    """What the lowered pipeline (:mod:`autopar.lower.pipeline`) runs, in bytes per
-    device: its ticks, the buffers one tick sends, the buffers it carries from tick to
-    tick (``name -> (slots, bytes of one slot)``), how many outputs of ``G`` it sums over
-    ``pipe`` after the flush, and which outputs of ``G`` stay split over ``pipe``."""
-
-    ticks: int
-    sends: tuple[float, ...]
-    forward_sends: tuple[float, ...]
-    backward_sends: tuple[float, ...]
-    buffers: dict[str, tuple[int, float]]
-    psums: int
-    stacked_outputs: frozenset[int]
-
-
-def _pipeline_program(
-    graph: Graph, plan: Plan, accumulation: Any, pipe_axis: str
-) -> _Program | None:
-    """The runtime's own schedule, cut and padded layouts for this plan
-    (:func:`autopar.lower.pipeline.send_slots`, :func:`~autopar.lower.pipeline.buffer_slots`),
-    or ``None`` if the runtime cannot run it (then the caller estimates).
-
-    An array whose leading dimension (or, for a scanned stack's residual, the one after
-    the layer axis) is the microbatch is split over the mesh axes the plan splits the
-    batch over (the partitioner keeps the batch split through the stages; XLA pads an
-    uneven split); other arrays are whole on every device."""
-    import jax
-
-    # The cost model counts what the runtime runs: its schedule and its layouts.
-    from autopar.lower.pipeline import buffer_slots, cut_stages, make_schedule, send_slots
-    from autopar.lower.split import AccumulateError, gradient_graph
-
-    pp = plan.pipeline
-    if graph.in_tree is None:
-        return None
-    try:
-        schedule = make_schedule(
-            pp.schedule, plan.mesh[pipe_axis], pp.microbatches, pp.virtual_stages
-        )
-        leaves = [jax.ShapeDtypeStruct(gi.tensor.shape, gi.tensor.dtype) for gi in graph.inputs]
-        args = jax.tree_util.tree_unflatten(graph.in_tree, leaves)[0]
-        cut = cut_stages(
-            gradient_graph(accumulation, args), pp.stages, batch_inputs=accumulation.batch_inputs
-        )
-    except (AccumulateError, LowerPlanError):
-        return None
-    split, rows = 1, None
-    for i in accumulation.batch_inputs:
-        gi, rec = graph.inputs[i], plan.inputs[i]
-        if gi.tensor.shape and rec.spec:
-            rows = gi.tensor.shape[0] // pp.microbatches
-            entry = rec.spec[0]
-            axes = () if entry is None else ((entry,) if isinstance(entry, str) else entry)
-            split = math.prod(plan.mesh[a] for a in axes if a != pipe_axis)
-            break
-
-    def per_device(shape: tuple[int, ...], dtype: Any) -> float:
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        for d in range(min(2, len(shape))):
-            if split > 1 and shape[d] == rows:
-                return float(nbytes // shape[d] * math.ceil(shape[d] / split))
-        return float(nbytes)
-
-    slots = buffer_slots(cut, schedule)
-    return _Program(
-        ticks=len(schedule.ticks),
-        sends=tuple(per_device(*key) for key in send_slots(cut)),
-        forward_sends=tuple(per_device(*key) for key in slots["forward"][1]),
-        backward_sends=tuple(per_device(*key) for key in slots["backward"][1]),
-        buffers={
-            name: (n, sum(per_device(*key) for key in layout))
-            for name, (n, layout) in slots.items()
-        },
-        psums=len(cut.jaxpr.jaxpr.outvars) - len(cut.stacked_outputs),
-        stacked_outputs=frozenset(cut.stacked_outputs),
-    )
-
-
 def _reads_stacked(bp: Any, op: Any, stacked_in: set[int]) -> bool:
     lead = bp.leader(op.index)
     return lead.kind == "input" and lead.input is not None and lead.input.index in stacked_in
@@ -434,7 +346,7 @@ def _stage_memory(
     p: int,
     inflight: Sequence[int],
     m: int,
-    prog: _Program | None = None,
+    prog: Any = None,
     accumulation: Any = None,
 ) -> tuple[float, dict[str, float]]:
     """Bytes per device: state (a stacked leaf's 1/p), accumulators, and activations.
