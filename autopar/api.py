@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -131,21 +132,33 @@ def _program(graph: Graph, plan: Plan, acc: Any) -> Any:
 def _plan_pipeline(
     fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions, m: int
 ) -> Plan:
-    """A pipeline plan for a mesh with a ``pipe`` axis (the simple search of this version):
-    layers split evenly over the stages, data parallel over the other axes, the options'
-    schedule (1F1B by default) and microbatches (``2 * pipe`` by default), priced by
-    :func:`autopar.search.stages.evaluate_pipeline`."""
+    """A pipeline plan for a mesh with a ``pipe`` axis (the simple search of this version).
+
+    The layers are split evenly over the stages, in the options' schedule (1F1B by
+    default) and microbatches (``2 * pipe`` by default). Inside the stages two candidates
+    are priced by :func:`autopar.search.stages.evaluate_pipeline` and the faster that fits
+    is returned: data parallel over the other axes, and the intra-op plan the search finds
+    for one microbatch on the mesh without ``pipe`` (memory bound: a stage's share,
+    ``1/pipe`` of the whole step, so the bound given is multiplied by ``pipe``). The
+    plan's prediction is the winner's price; the loser is named in its summary."""
     from dataclasses import replace
 
     import cost_models
     from autopar import baselines
+    from autopar.errors import InfeasiblePlanError
+    from autopar.search import plan_graph
     from autopar.search.stages import evaluate_pipeline
 
-    if (options.virtual_stages or 1) > 1 or options.schedule not in (None, "gpipe", "1f1b"):
+    schedule = options.schedule or "1f1b"
+    v = options.virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
+    if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise InvalidOptionError(
-            f"schedule={options.schedule!r}, virtual_stages={options.virtual_stages}: this "
-            "version pipelines with 'gpipe' or '1f1b' and one stage per device; interleaved "
-            "and zero-bubble schedules are not available yet."
+            f"schedule={schedule!r}: this version pipelines with 'gpipe', '1f1b' or "
+            "'interleaved-1f1b'; 'zero-bubble' is priced by cost_models but not run yet."
+        )
+    if v > 1 and schedule != "interleaved-1f1b":
+        raise InvalidOptionError(
+            f"virtual_stages={v} needs schedule='interleaved-1f1b'; got {schedule!r}."
         )
     if options.remat not in (None, "none"):
         raise InvalidOptionError(
@@ -159,25 +172,48 @@ def _plan_pipeline(
         )
     if options.zero_stage not in (None, 0):
         raise InvalidOptionError(
-            f"zero_stage={options.zero_stage} in a pipeline is not available yet: stages are "
-            "data parallel over the other axes; use None or 0."
+            f"zero_stage={options.zero_stage} in a pipeline is not available yet: use None "
+            "or 0 (parameters of a scanned stack are split over 'pipe' already)."
         )
-    plan = baselines.pipeline(
-        fn, options.mesh, *args, microbatches=m, schedule=options.schedule or "1f1b"
-    )
     acc = _accumulation(fn, args, graph, m)
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
-    ev = evaluate_pipeline(
-        graph, plan, cluster, acc, memory_limit_bytes=limit, program=_program(graph, plan, acc)
-    )
-    if not ev.fits:
-        from autopar.errors import InfeasiblePlanError
-
+    sub = {a: n for a, n in options.mesh.items() if a != "pipe"}
+    inners: list[Any] = [None]
+    if math.prod(sub.values()) > 1:
+        inner_options = replace(
+            options,
+            mesh=sub,
+            pipeline_stages=None,
+            schedule=None,
+            virtual_stages=None,
+            remat="none",
+            zero_stage=None,
+            memory_limit_bytes=limit * pipe,
+            microbatches=m,
+            microbatch_size=None,
+        )
+        try:
+            inners.append(plan_graph(graph, cluster, inner_options, accumulation=acc))
+        except InfeasiblePlanError:
+            pass  # the stages' share may fit though the whole step does not
+    priced = []
+    for inner in inners:
+        plan = baselines.pipeline(
+            fn, options.mesh, *args, microbatches=m, schedule=schedule,
+            virtual_stages=v, inner=inner,
+        )  # fmt: skip
+        ev = evaluate_pipeline(
+            graph, plan, cluster, acc, memory_limit_bytes=limit,
+            program=_program(graph, plan, acc),
+        )  # fmt: skip
+        priced.append((not ev.fits, ev.step_time_s, len(priced), plan, ev))
+    bad, _, _, plan, ev = min(priced, key=lambda t: t[:3])
+    if bad:
         raise InfeasiblePlanError(
             f"the pipeline plan needs {ev.memory_bytes_per_device:.4g} bytes per device, "
-            f"{ev.memory_bytes_per_device - limit:.4g} bytes ({ev.memory_bytes_per_device / limit - 1:.1%}) "
-            f"over the bound of {limit:.4g}; use more stages, more microbatches (1F1B) or a "
-            "larger memory_limit_bytes."
+            f"{ev.memory_bytes_per_device - limit:.4g} bytes "
+            f"({ev.memory_bytes_per_device / limit - 1:.1%}) over the bound of {limit:.4g}; "
+            "use more stages, more microbatches (1F1B) or a larger memory_limit_bytes."
         )
     return replace(
         plan,

@@ -43,7 +43,7 @@ import numpy as np
 
 from autopar.errors import InvalidOptionError
 from autopar.lower.lowering import arg_names, leaf_paths
-from autopar.plan import LayerStrategy, Plan, Spec, SpecEntry, TensorSharding
+from autopar.plan import LayerStrategy, Plan, Predicted, Spec, SpecEntry, TensorSharding
 
 # Megatron-LM's split, by the name of the parameter or of the module that owns it.
 COLUMN_NAMES = frozenset(
@@ -456,8 +456,10 @@ def pipeline(
     schedule: str = "1f1b",
     stages: Sequence[tuple[int, int]] | None = None,
     virtual_stages: int = 1,
+    inner: Plan | Callable[..., Plan] | None = None,
 ) -> Plan:
-    """Pipeline parallelism over the mesh's ``pipe`` axis, data parallel over the rest.
+    """Pipeline parallelism over the mesh's ``pipe`` axis, data parallel (or ``inner``)
+    over the rest.
 
     The step's layers (found in the graph, not by name) are split into ``pipe`` stages of
     equal size (or the ``[start, stop)`` ``stages`` given); a scanned layer stack and its
@@ -466,6 +468,15 @@ def pipeline(
     that run in ``schedule`` (``"gpipe"``, ``"1f1b"``, or ``"interleaved-1f1b"`` with
     ``virtual_stages`` chunks per device: the layers are then split into ``pipe *
     virtual_stages`` equal chunks, device ``d`` running chunks ``d, pipe + d, ...``).
+
+    Inside the stages the other axes are intra-op parallel as ``inner`` says: a plan for
+    the same step on the mesh without ``pipe`` (e.g. a searched one), or a baseline
+    called as ``inner(fn, sub_mesh, *args)`` (``megatron`` gives Megatron-LM's 3D
+    parallelism: tensor inside the stages, data across them). Its input and output
+    layouts are kept, with ``pipe`` added on the layer axis of the scanned stack (which no
+    other axis may split: each stage runs its own layers whole; such a split is dropped).
+    Without ``inner`` the batch is split over the data axes and everything else
+    replicated.
 
     Example:
         >>> from benchmarks.models.gpt import GPTConfig, make_train_step
@@ -500,7 +511,12 @@ def pipeline(
     stages = tuple(stages) if stages is not None else even_stages(len(ggraph.layers), p * v)
     cut = cut_stages(ggraph, stages, batch_inputs=acc.batch_inputs)
     data = tuple(a for a in batch_axes(mesh_d) if a != "pipe")
-    plan = _build(graph, mesh_d, (), name=f"pipeline-{schedule}", batch_axes=data)
+    sub = {a: n for a, n in mesh_d.items() if a != "pipe"}
+    if inner is None:
+        plan = _build(graph, mesh_d, (), name=f"pipeline-{schedule}", batch_axes=data)
+    else:
+        within = inner if isinstance(inner, Plan) else inner(fn, sub or {"data": 1}, *args)
+        plan = _within_stages(graph, within, mesh_d, f"pipeline-{schedule}+{within.name}")
     stacked = set(cut.stacked_inputs)
     from autopar.search.build.coarsen import match_optimizer_state
 
@@ -510,9 +526,7 @@ def pipeline(
 
     def on_pipe(rec: TensorSharding) -> TensorSharding:
         spec = list(rec.spec)
-        first = spec[0]
-        axes = () if first is None else ((first,) if isinstance(first, str) else tuple(first))
-        spec[0] = _entry(("pipe", *axes))
+        spec[0] = "pipe"  # the layer axis: each stage holds its layers whole
         return replace(rec, spec=tuple(spec))
 
     inputs = tuple(on_pipe(r) if i in stacked else r for i, r in enumerate(plan.inputs))
@@ -524,6 +538,33 @@ def pipeline(
         outputs=outputs,
         pipeline=PipelinePlan(stages, schedule, microbatches, chunks=v),
     ).bind(graph.in_tree, graph.out_tree)
+
+
+def _within_stages(graph: Any, within: Plan, mesh: Mapping[str, int], name: str) -> Plan:
+    """``within``'s layouts (a plan on the mesh without ``pipe``) on the whole ``mesh``."""
+    sub = {a: n for a, n in mesh.items() if a != "pipe"}
+    if "pipe" in within.mesh or dict(within.mesh) != (sub or dict(within.mesh)):
+        raise InvalidOptionError(
+            f"the plan inside the stages is for the mesh {dict(within.mesh)}; it must be for "
+            f"the pipeline's mesh without 'pipe', {sub}."
+        )
+    if len(within.inputs) != len(graph.inputs) or any(
+        tuple(r.shape) != tuple(gi.tensor.shape)
+        for r, gi in zip(within.inputs, graph.inputs, strict=True)
+    ):
+        raise InvalidOptionError(
+            f"the plan inside the stages ({within.name!r}) has {len(within.inputs)} inputs "
+            f"that do not match the step's {len(graph.inputs)}; plan the same step."
+        )
+    return replace(
+        within,
+        mesh=dict(mesh),
+        name=name,
+        activations=(),
+        pipeline=None,
+        remat="none",
+        predicted=Predicted(step_time_s=0.0),
+    )
 
 
 __all__ = [
