@@ -35,6 +35,7 @@ from autopar.axes import AXIS_NAMES, BATCH_AXES
 from autopar.errors import InfeasiblePlanError, InvalidOptionError, SolveShardingError
 from autopar.options import SearchOptions
 from autopar.plan import PipelinePlan, Plan
+from autopar.progress import SearchProgress
 from autopar.search.evaluate import complete_layouts, decode
 from autopar.search.intra_op import MeshResult, build_problem, solve_mesh, step_lower_bound
 from autopar.search.meshes import candidate_meshes, expert_dims, offered_axes
@@ -199,46 +200,14 @@ def plan_graph(
         accumulation = None
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
     allowed = offered_axes(graph, cluster.num_devices, options)
-    rename_roles = options.mesh is None and options.zero_stage is None
     tried: list[MeshResult] = []
-    for mesh in candidate_meshes(cluster.num_devices, options, graph):
-        bp = build_problem(graph, cluster, mesh, options, limit, accumulation)
-        tried.append(MeshResult(mesh, step_lower_bound(bp), bp))
-    # The most promising mesh first (by its step-time lower bound; fewer axes on a tie):
-    # it sets the incumbent that lets the others be skipped or solved briefly.
-    tried.sort(key=lambda r: (r.bound_s, len(r.mesh)))
-    best: MeshResult | None = None
-    solved = 0
-    for i, r in enumerate(tried):
-        if solved >= options.max_meshes:
-            r.skipped = "max_meshes reached"
-            continue
-        incumbent = None if best is None else best.evaluation.step_time_s
-        if incumbent is not None and r.bound_s >= incumbent:
-            r.skipped = "lower bound above the best step time"
-            continue
-        solved += 1
-        # A mesh whose bound is well above the incumbent is unlikely to win: a short solve
-        # (its best solution is still compared) keeps it from eating the time of the search.
-        time_limit = options.solver_time_limit_s
-        if incumbent is not None and r.bound_s > (1 - _CLOSE) * incumbent:
-            time_limit *= _LOSER_TIME_FRACTION
-        r = tried[i] = solve_mesh(
-            graph,
-            cluster,
-            r.mesh,
-            options,
-            limit,
-            time_limit_s=time_limit,
-            built=r.built,
-            accumulation=accumulation,
-        )
-        if r.evaluation is None or r.skipped:
-            continue
-        if rename_roles:
-            r.rename = role_names(r.built, r.solution.choice, allowed)
-        if best is None or _better(r, best):
-            best = r
+    meshes = list(candidate_meshes(cluster.num_devices, options, graph))
+    with SearchProgress(2 * len(meshes), "search") as bar:
+        for mesh in meshes:
+            bp = build_problem(graph, cluster, mesh, options, limit, accumulation)
+            tried.append(MeshResult(mesh, step_lower_bound(bp), bp))
+            bar.advance(f"built {_mesh_str(mesh)}")
+        best = _solve_meshes(tried, graph, cluster, options, limit, accumulation, allowed, bar)
     if best is None:
         if results is not None:
             results.extend(tried)
@@ -270,6 +239,64 @@ def plan_graph(
     if results is not None:
         results.extend(tried)
     return plan
+
+
+def _mesh_str(mesh: dict[str, int]) -> str:
+    return " x ".join(f"{a} {n}" for a, n in mesh.items())
+
+
+def _solve_meshes(
+    tried: list[MeshResult],
+    graph: Graph,
+    cluster: Any,
+    options: SearchOptions,
+    limit: float,
+    accumulation: Any,
+    allowed: Any,
+    bar: SearchProgress,
+) -> MeshResult | None:
+    """Solve the meshes in ``tried`` (most promising first, skipping those whose bound
+    cannot win); ``tried`` receives each mesh's result. Returns the best that fits."""
+    rename_roles = options.mesh is None and options.zero_stage is None
+    best: MeshResult | None = None
+    # The most promising mesh first (by its step-time lower bound; fewer axes on a tie):
+    # it sets the incumbent that lets the others be skipped or solved briefly.
+    tried.sort(key=lambda r: (r.bound_s, len(r.mesh)))
+    solved = 0
+    for i, r in enumerate(tried):
+        if solved >= options.max_meshes:
+            r.skipped = "max_meshes reached"
+            bar.advance(f"skipped {_mesh_str(r.mesh)}")
+            continue
+        incumbent = None if best is None else best.evaluation.step_time_s
+        if incumbent is not None and r.bound_s >= incumbent:
+            r.skipped = "lower bound above the best step time"
+            bar.advance(f"skipped {_mesh_str(r.mesh)}")
+            continue
+        solved += 1
+        # A mesh whose bound is well above the incumbent is unlikely to win: a short solve
+        # (its best solution is still compared) keeps it from eating the time of the search.
+        time_limit = options.solver_time_limit_s
+        if incumbent is not None and r.bound_s > (1 - _CLOSE) * incumbent:
+            time_limit *= _LOSER_TIME_FRACTION
+        r = tried[i] = solve_mesh(
+            graph,
+            cluster,
+            r.mesh,
+            options,
+            limit,
+            time_limit_s=time_limit,
+            built=r.built,
+            accumulation=accumulation,
+        )
+        bar.advance(f"solved {_mesh_str(r.mesh)}")
+        if r.evaluation is None or r.skipped:
+            continue
+        if rename_roles:
+            r.rename = role_names(r.built, r.solution.choice, allowed)
+        if best is None or _better(r, best):
+            best = r
+    return best
 
 
 def _polish(
