@@ -95,35 +95,46 @@ def simulate_schedule(
     chunks: int = 1,
     bwd_weight_fraction: float = 0.5,
     timeline: bool = False,
+    per_chunk: bool = False,
 ) -> ScheduleResult:
     """Simulate one training iteration's pipeline (see the module docstring).
 
     Args:
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zero-bubble"``.
-        fwd: per device, seconds of forward for one microbatch (all its chunks together).
-        bwd: per device, seconds of backward for one microbatch (input + weight gradients).
+        fwd: per device, seconds of forward for one microbatch (all its chunks together,
+            each chunk taking ``1 / chunks`` of it); with ``per_chunk``, per virtual stage
+            (``p * chunks`` entries in model order: chunk ``c`` of device ``d`` is entry
+            ``c * p + d``), for chunks of unequal work.
+        bwd: as ``fwd``, seconds of backward (input + weight gradients).
         microbatches: m, microbatches per iteration.
         p2p: seconds to move one activation (or its gradient) between devices.
         chunks: v, model chunks per device (interleaved only).
         bwd_weight_fraction: zero-bubble only: share of ``bwd`` that is weight gradient (W).
         timeline: also return every op's start and end (for plots; costs time and memory).
+        per_chunk: ``fwd`` and ``bwd`` hold one time per virtual stage.
 
     Example:
         >>> r = simulate_schedule("interleaved-1f1b", [1.0] * 4, [2.0] * 4, 8, chunks=2)
         >>> r.bubble_fraction
         0.1875
+        >>> simulate_schedule("interleaved-1f1b", [0.5] * 8, [1.0] * 8, 8, chunks=2,
+        ...                   per_chunk=True).bubble_fraction  # the same chunks, given one by one
+        0.1875
     """
     check_choice("schedule", schedule, SCHEDULES)
-    p = len(fwd)
-    if p == 0 or len(bwd) != p:
+    v = check_int("chunks", chunks)
+    n = len(fwd)
+    if n == 0 or len(bwd) != n or (per_chunk and n % v):
         raise CostModelError(
-            f"fwd and bwd need one time per stage and the same length; got {len(fwd)} and {len(bwd)}"
+            f"fwd and bwd need one time per {'virtual stage' if per_chunk else 'stage'} and "
+            f"the same length{f' (a multiple of chunks={v})' if per_chunk else ''}; got "
+            f"{len(fwd)} and {len(bwd)}"
         )
+    p = n // v if per_chunk else n
     for i, (f, b) in enumerate(zip(fwd, bwd, strict=True)):
         check_positive(f"fwd[{i}]", f, allow_zero=True)
         check_positive(f"bwd[{i}]", b, allow_zero=True)
     m = check_int("microbatches", microbatches)
-    v = check_int("chunks", chunks)
     check_positive("p2p", p2p, allow_zero=True)
     check_positive("bwd_weight_fraction", bwd_weight_fraction, allow_zero=True)
     if bwd_weight_fraction > 1:
@@ -136,7 +147,12 @@ def simulate_schedule(
             f"(Megatron's rule); got m={m}, p={p}"
         )
 
-    sim = _Sim(p, v, m, [float(x) for x in fwd], [float(x) for x in bwd], float(p2p), timeline)
+    if per_chunk:
+        f_st, b_st = [float(x) for x in fwd], [float(x) for x in bwd]
+    else:  # each chunk of device d takes 1/v of its time
+        f_st = [float(fwd[k % p]) / v for k in range(p * v)]
+        b_st = [float(bwd[k % p]) / v for k in range(p * v)]
+    sim = _Sim(p, v, m, f_st, b_st, float(p2p), timeline)
     if schedule == "zero-bubble":
         sim.run_greedy_zb(bwd_weight_fraction, [_order("1f1b", d, p, m, 1) for d in range(p)])
     else:
@@ -184,6 +200,7 @@ class _Sim:
     def __init__(
         self, p: int, v: int, m: int, fwd: list[float], bwd: list[float], p2p: float, record: bool
     ):
+        # fwd / bwd: seconds of one microbatch per virtual stage (p * v entries).
         self.p, self.v, self.m = p, v, m
         self.stages = p * v
         self.record = record
@@ -207,11 +224,11 @@ class _Sim:
     def prepare(self, w_fraction: float) -> None:
         """Durations and dependencies of every op."""
         self.w_fraction = w_fraction
-        S, m, p, v = self.stages, self.m, self.p, self.v
+        S, m, p = self.stages, self.m, self.p
         for stage in range(S):
             d = stage % p
-            f = self._fwd[d] / v
-            b = self._bwd[d] / v
+            f = self._fwd[stage]
+            b = self._bwd[stage]
             for j in range(m):
                 fid = (_F * S + stage) * m + j
                 bid = (_B * S + stage) * m + j

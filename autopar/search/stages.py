@@ -12,9 +12,11 @@ priced in four steps, each from a model the rest of the search already uses:
    its iterations, unlabelled forward work to the stage of the layer before it (the
    embedding to the first stage), unlabelled backward work to the stage of the layer
    after it (the head's backward to the last stage). That gives per-stage forward and
-   backward seconds of one microbatch.
-3. **Schedule.** ``cost_models.simulate_schedule`` runs the schedule (GPipe, 1F1B) op by
-   op with those stage times and the time of one direction's sends between neighbours
+   backward seconds of one microbatch. An interleaved plan (``plan.pipeline.chunks = v
+   > 1``, Megatron-LM's interleaved 1F1B) cuts the model into ``p v`` chunks (virtual
+   stages; chunk ``k`` runs on device ``k % p``), so the seconds go to chunks.
+3. **Schedule.** ``cost_models.simulate_schedule`` runs the schedule (GPipe, 1F1B,
+   interleaved 1F1B with its ``v`` chunks of unequal work) op by op with those times and the time of one direction's sends between neighbours
    (``p2p`` over the ``pipe`` axis): its makespan is the pipeline's time and
    ``makespan - busiest stage's work`` its bubble. The sends are the runtime's
    (:mod:`autopar.lower.pipeline`): every tick of the schedule's table, one ``ppermute``
@@ -28,11 +30,16 @@ priced in four steps, each from a model the rest of the search already uses:
 4. **Memory** per device: the stage's share of parameters and optimizer state (a
    scanned stack is split over ``pipe``, the rest replicated), the accumulators, and
    what the runtime carries from tick to tick on every device: its stash of in-flight
-   microbatches (the most any stage keeps: GPipe ``m``, 1F1B ``p``), the spare stash
-   slot, the receive buffers, and one tick's working set (:func:`_stage_memory`).
+   microbatches (the most any stage keeps: GPipe ``m``, 1F1B ``p``; interleaved, the
+   chunk activations Megatron-LM's warm-up keeps on device 0, ``2(p-1) + (v-1)p + 1``
+   chunks of ``1/v`` of a stage each, bounded by ``m v``), the spare stash slot, the
+   receive buffers, and one tick's working set (:func:`_stage_memory`). A scanned stack
+   run interleaved is relaid out by chunk; the program's ``relayout_bytes`` per device
+   (when it says) are held beside the stack and moved over ``pipe`` once per step.
 
-The step time reported is the makespan plus the update, the exposed gradient all-reduce
-and the compute of the update; its parts are in ``Evaluation.extra``.
+The step time reported is the makespan plus the update, the exposed gradient all-reduce,
+the stack's relayout and the compute of the update; its parts are in
+``Evaluation.extra`` (per device, and per chunk when interleaved).
 
 Example:
     >>> from benchmarks.models.gpt import GPTConfig, make_train_step
@@ -128,7 +135,8 @@ def evaluate_pipeline(
 
     Args:
         graph: the step traced on its whole batch.
-        plan: a plan with ``plan.pipeline.num_stages > 1`` over ``pipe_axis``.
+        plan: a plan with ``plan.pipeline.num_stages > 1`` over ``pipe_axis`` (with
+            ``chunks = v > 1``, ``p v`` chunk ranges run as interleaved 1F1B).
         cluster: a ``cost_models.Cluster``.
         accumulation: the step analysed for the plan's microbatches
             (:func:`autopar.lower.split.plan_accumulation`).
@@ -137,20 +145,23 @@ def evaluate_pipeline(
             it the sends are estimated from the boundary activation.
 
     Raises:
-        LoadPlanError: the plan's mesh has no ``pipe`` axis of the plan's stage count.
+        LoadPlanError: the plan's mesh has no ``pipe`` axis of the plan's stage count, or
+            it interleaves chunks with another schedule or a microbatch count that is
+            not a multiple of ``p``.
     """
     pp = plan.pipeline
-    p, m = pp.num_stages, pp.microbatches
+    p, m, v = pp.num_stages, pp.microbatches, pp.chunks
+    n = len(pp.stages)  # virtual stages: chunk k on device k % p
     if plan.mesh.get(pipe_axis, 1) != p:
         raise LoadPlanError(
             f"the plan has {p} stages but its mesh {dict(plan.mesh)} has no {pipe_axis!r} "
             f"axis of {p} devices."
         )
-    if pp.chunks > 1:
+    if v > 1 and (pp.schedule != "interleaved-1f1b" or m % p):
         raise LoadPlanError(
-            f"the plan interleaves {pp.chunks} chunks per device: interleaved 1F1B runs "
-            "(autopar.lower.lower_plan) but is not priced yet; score it with chunks=1 "
-            "(cost_models.simulate_schedule gives its bubble for uniform stages)."
+            f"the plan interleaves {v} chunks per device with schedule {pp.schedule!r} and "
+            f"{m} microbatches: chunks need 'interleaved-1f1b' and a multiple of the {p} "
+            "pipe devices (microbatches go through the chunks in groups of p)."
         )
     if accumulation is None or accumulation.microbatches != m:
         raise LoadPlanError(
@@ -175,7 +186,7 @@ def evaluate_pipeline(
     micro = accumulation.micro
     shares = node_stages(micro, pp.stages)
     update = set(accumulation.update_eqns)
-    fwd, bwd = [0.0] * p, [0.0] * p
+    fwd, bwd = [0.0] * n, [0.0] * n  # per chunk (per device when not interleaved)
     upd = flops = 0.0
 
     def top(op: Any) -> int:
@@ -189,9 +200,9 @@ def evaluate_pipeline(
             upd += secs / (p if op.kind == "node" and _reads_stacked(bp, op, stacked_in) else 1)
             return
         per_micro = secs / m
-        share = shares.get(nid, [1.0 / p] * p)
+        share = shares.get(nid, [1.0 / n] * n)
         target = bwd if op.phase == "backward" else fwd
-        for s in range(p):
+        for s in range(n):
             target[s] += per_micro * share[s]
 
     for g, group in enumerate(bp.groups):
@@ -230,9 +241,13 @@ def evaluate_pipeline(
     else:  # a schedule or cut the runtime does not run: the boundary activation, estimated
         boundary = _boundary_bytes(micro, pp.stages, bp, choice)
         sim_p2p = pipe_ctx.collective("p2p", boundary, (pipe_axis,)).time_s if boundary else 0.0
-        p2p_count = 2 * m * (p - 1)
+        p2p_count = 2 * m * (n - 1)  # every microbatch crosses each cut both ways
         p2p_s, p2p_bytes, psums = sim_p2p * p2p_count / p, boundary * p2p_count / p, 1
-    sim = cost_models.simulate_schedule(pp.schedule, fwd, bwd, m, p2p=sim_p2p)
+    sim = cost_models.simulate_schedule(
+        pp.schedule, fwd, bwd, m, p2p=sim_p2p, chunks=v, per_chunk=True
+    )
+    dev_fwd = [sum(fwd[d::p]) for d in range(p)]  # chunk k runs on device k % p
+    dev_bwd = [sum(bwd[d::p]) for d in range(p)]
     # Gradients of parameters replicated over pipe are summed over it after the flush.
     replicated = sum(
         bp.value_bytes(v, choice)
@@ -241,7 +256,13 @@ def evaluate_pipeline(
     )
     ar = pipe_ctx.collective("all-reduce", replicated, (pipe_axis,)) if replicated else None
     ar_s = ar.time_s if ar is not None else 0.0
-    step = sim.makespan + upd + ar_s
+    # A scanned stack run interleaved is relaid out by chunk (device d holds chunks d,
+    # p + d, ...): the runtime's program says how many bytes per device that moves.
+    relayout = float(getattr(prog, "relayout_bytes", 0.0) or 0.0)
+    relayout_s = (
+        pipe_ctx.collective("all-to-all", relayout, (pipe_axis,)).time_s if relayout else 0.0
+    )
+    step = sim.makespan + upd + ar_s + relayout_s
     compute = sum(fwd) / p * m + sum(bwd) / p * m  # mean stage work per device
     collectives = [
         PredictedCollective(
@@ -268,17 +289,24 @@ def evaluate_pipeline(
             )
         )
     mem, breakdown = _stage_memory(
-        bp, choice, graph, stacked_in, p, sim.peak_inflight, m, prog, accumulation
+        bp, choice, graph, stacked_in, p, sim.peak_inflight, m, prog, accumulation, v
     )
+    if relayout:
+        breakdown["pipeline_relayout"] = relayout  # the relaid stack beside the original
+        mem += relayout
     return Evaluation(
         mesh=dict(plan.mesh),
         objective_s=step,
         step_time_s=step,
         compute_s=compute,
         backward_compute_s=sum(bwd) / p * m,
-        communication_s=ar_s + p2p_s,
+        communication_s=ar_s + p2p_s + relayout_s,
         exposed_communication_s=step - compute - sim.bubble_s,
-        communication_by_class={"pipeline_p2p": p2p_s, "dp_grad": ar_s},
+        communication_by_class={
+            "pipeline_p2p": p2p_s,
+            "dp_grad": ar_s,
+            **({"pipeline_relayout": relayout_s} if relayout else {}),
+        },
         collectives=tuple(collectives),
         memory_bytes_per_device=mem,
         memory_breakdown=breakdown,
@@ -290,8 +318,11 @@ def evaluate_pipeline(
             "bubble_s": sim.bubble_s,
             "bubble_fraction": sim.bubble_fraction,
             "makespan_s": sim.makespan,
-            "stage_forward_s": tuple(fwd),
-            "stage_backward_s": tuple(bwd),
+            "stage_forward_s": tuple(dev_fwd),
+            "stage_backward_s": tuple(dev_bwd),
+            "chunk_forward_s": tuple(fwd),
+            "chunk_backward_s": tuple(bwd),
+            "chunks": v,
             "update_s": upd,
             "p2p_s": sim_p2p,
             "p2p_from": "program" if prog is not None else "estimate",
@@ -348,21 +379,28 @@ def _stage_memory(
     m: int,
     prog: Any = None,
     accumulation: Any = None,
+    chunks: int = 1,
 ) -> tuple[float, dict[str, float]]:
     """Bytes per device: state (a stacked leaf's 1/p), accumulators, and activations.
 
     With the runtime's program (``prog``), the activations are what it holds on every
     device (the SPMD program is the same on all stages): the stash buffer, ``K + 1``
-    slots of the padded stash layout (``"activations"``: ``K``, the most microbatches any
-    stage keeps; ``"pipeline_buffers"``: the spare slot idle ticks write to and the
-    receive buffers), and what one tick adds (``"pipeline_tick"``: the switch's results,
-    a stash slot and a gradient contribution as large as the accumulators, and the
-    tick's sends), while the accumulators of a stacked leaf are split over ``pipe``. The tick's working set is where XLA decides
-    most (measured on the zoo GPT, tiny, fp32, {pipe: 2, data: 4}: a scanned stack's
-    pieces copy their residuals out of the inner loop, about one more stash slot than
-    this; unrolled layers write theirs in place, about one slot less); the buffers it
-    carries across ticks are exact. Without ``prog``: the busiest stage's share of one
-    microbatch's activations times its in-flight microbatches, accumulators whole."""
+    slots of the padded stash layout (``"activations"``: ``K``, the most microbatches, or
+    interleaved (microbatch, chunk) pairs, any device keeps; ``"pipeline_buffers"``: the
+    spare slot idle ticks write to and the receive buffers), and what one tick adds
+    (``"pipeline_tick"``), while the accumulators of a stacked leaf are split over
+    ``pipe``. The tick's working set is where XLA decides most; measured on the zoo GPT
+    (tiny, fp32, 4 layers, microbatches of 4, ``memory_analysis`` temp minus the
+    accumulators and the carried buffers): a scanned stack's piece returns its residuals
+    and its layers' gradients out of the inner loop before they are copied into the
+    buffers (a stash slot plus the gradients; measured 1.8 MiB at {pipe: 2, data: 4}
+    against 1.2 MiB counted), while with unrolled layers XLA moves the buffer updates into
+    the switch's branches, which write in place, and a tick adds little more than the
+    piece's own gradients (measured 385 KiB at {pipe: 2, data: 4}, 340 KiB at {pipe: 4,
+    data: 2}; counted: a mean chunk's share of the gradients, 427 and 213 KiB, plus the
+    sends). The buffers carried across ticks are exact. Without ``prog``: the busiest
+    device's share of one microbatch's activations times its in-flight microbatches
+    (interleaved: chunks of ``1 / (p v)`` of them), accumulators whole."""
     _, _, breakdown = bp.peak(choice)
     n_in = len(graph.inputs)
     state: dict[str, float] = {}
@@ -381,15 +419,26 @@ def _stage_memory(
     out = dict(state)
     if prog is None:
         act = sum(b for k, b in breakdown.items() if k not in state)
-        worst = max(inflight) if inflight else m
-        out["activations"] = act / p * worst
+        # inflight counts (microbatch, chunk) pairs; a chunk holds 1 / (p v) of the model.
+        worst = max(inflight) if inflight else m * chunks
+        out["activations"] = act / (p * chunks) * worst
         return sum(out.values()), out
     stash_slots, stash = prog.buffers["stash"]
     out["activations"] = (stash_slots - 1) * stash  # the microbatches in flight
     out["pipeline_buffers"] = stash + sum(  # the spare stash slot, the receive buffers
         n * b for name, (n, b) in prog.buffers.items() if name != "stash"
     )
-    out["pipeline_tick"] = stash + state.get("grads", 0.0) + sum(prog.sends)
+    if prog.stacked_outputs:
+        # A scanned stack's piece returns its residuals and its layers' gradients out of
+        # the inner loop, then copies them into the stash and the accumulators.
+        out["pipeline_tick"] = stash + state.get("grads", 0.0) + sum(prog.sends)
+    else:
+        # Unrolled layers: XLA moves the slot's write and the accumulation into the
+        # switch's branches, which update the carried buffers in place; what a tick adds
+        # is the piece's fresh gradients of its own chunk's parameters (a mean chunk's
+        # share) before they are added, and the sends.
+        grads = state.get("grads", 0.0) / (p * chunks)
+        out["pipeline_tick"] = grads + sum(prog.sends)
     return sum(out.values()), out
 
 

@@ -98,9 +98,11 @@ def _gpt(scan: bool, batch: int):
     return make_train_step(cfg, batch, abstract=True)
 
 
-def _scored(scan: bool, batch: int, schedule: str, m: int):
+def _scored(scan: bool, batch: int, schedule: str, m: int, v: int = 1):
     step, args = _gpt(scan, batch)
-    plan = baselines.pipeline(step, MESH, *args, microbatches=m, schedule=schedule)
+    plan = baselines.pipeline(
+        step, MESH, *args, microbatches=m, schedule=schedule, virtual_stages=v
+    )
     ev = autopar.evaluate(step, plan, CLUSTER, *args)
     assert ev.extra["p2p_from"] == "program"  # priced from the runtime's own layout
     plan = dataclasses.replace(plan, predicted=ev.to_predicted())
@@ -125,11 +127,30 @@ def test_stage_to_stage_traffic_is_predicted_exactly(scan: bool) -> None:
     # inside each stage's backward piece) and the psums over pipe after the flush.
     assert report.row("all-reduce").status == "ok", report.to_text()
     assert any("inside a stage's piece count 4 runs" in n for n in report.notes)
+    # Nothing else: no all-gather is predicted that XLA does not emit.
+    assert {r.kind for r in report.rows} == {"all-reduce", "collective-permute"}
+    assert report.ok, report.to_text()
+
+
+def test_interleaved_stage_to_stage_traffic_and_memory() -> None:
+    m, v = 4, 2
+    plan, lowered, args = _scored(False, 16, "interleaved-1f1b", m, v)
+    report = verify(plan, lowered, *args)
+    row = report.row("collective-permute")
+    # By hand: each device runs 2 m v = 16 chunk ops, and the pipeline fills and drains
+    # over p - 1 = 1 tick at each end: 2 (m v + p - 1) = 18 ticks, each sending one
+    # [1, 32, 64] float32 buffer forward on the ring and one backward.
+    ticks = 2 * (m * v + 2 - 1)
+    assert row.hlo_count == row.predicted_count == ticks * 2
+    assert row.hlo_bytes == row.predicted_bytes == ticks * 2 * 1 * SEQ * HIDDEN * F32
+    assert report.ok, report.to_text()
 
 
 def _compiled_memory(scan: bool, batch: int, schedule: str, m: int) -> tuple[float, float]:
     """(compiled bytes per device, predicted bytes for the same program): the program is
-    lowered without donation, so the new state sits beside the old (as verify adds)."""
+    lowered without donation, so the new state sits beside the old (as verify adds).
+    ``memory_analysis`` compiles with CPU scratch counted
+    (``autopar.lower.CPU_MEMORY_COMPILER_OPTIONS``)."""
     plan, lowered, args = _scored(scan, batch, schedule, m)
     mem = lowered.memory_analysis(*args)
     compiled = (
@@ -170,3 +191,23 @@ def test_verify_reports_pipeline_memory_within_tolerance() -> None:
     report = verify(plan, lowered, *args)
     assert report.memory is not None and report.memory.ok, report.to_text()
     assert report.row("collective-permute").status == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [True, False], ids=["gpt_scan", "gpt_unrolled"])
+def test_memory_from_4_to_16_microbatches(scan: bool) -> None:
+    # Microbatches of 4 examples (one per data shard): m = 4, 8, 16 on batches of 16,
+    # 32, 64. 1F1B keeps at most p = 2 microbatches in flight whatever m is; GPipe
+    # keeps all m (its stash has m + 1 slots), so from m = 4 to 16 it stashes 12 more.
+    flat = [_compiled_memory(scan, 4 * m, "1f1b", m) for m in (4, 8, 16)]
+    grow = [_compiled_memory(scan, 4 * m, "gpipe", m) for m in (4, 8, 16)]
+    c4 = flat[0][0]
+    for compiled, _ in flat[1:]:
+        assert compiled == pytest.approx(c4, rel=0.01)
+    (g4, p4), (g8, _), (g16, p16) = grow
+    # Linear in m: 8 more stashed microbatches from 8 to 16, twice the 4 from 4 to 8.
+    assert g16 - g8 == pytest.approx(2 * (g8 - g4), rel=0.10) and g16 > 1.5 * g4
+    # Both sides grow by the 12 more stashed microbatches, within 10% of each other.
+    assert p16 - p4 == pytest.approx(g16 - g4, rel=0.10)
+    for compiled, predicted in flat + grow:
+        assert abs(predicted - compiled) <= MEMORY_TOLERANCE * compiled

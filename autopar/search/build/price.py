@@ -69,6 +69,29 @@ class Priced:
     param_shapes: frozenset[tuple[int, ...]]
 
 
+def _from_replicated(coarse: Coarse, catalog: StrategyCatalog) -> set[int]:
+    """Ops computed from graph inputs that can only be replicated (and constants) alone:
+    sharding propagation starts from sharded values, so none reaches them.
+
+    A graph input qualifies when every layout it may take is whole on every device (a
+    plan's replicated parameter); a node when each operand qualifies or is a constant
+    and one qualifies; a loop input when what enters it does (a carry never: it changes
+    every iteration)."""
+    mesh = catalog.ctx.mesh
+    ops = coarse.ops
+    out: set[int] = set()
+    for op in ops:  # in program order: operands come first (carries are excluded below)
+        if op.kind == "input":
+            specs = catalog.input_specs(op.input, coarse.whole(op.input.index))
+            if specs and all(shards(s, mesh) == 1 for s in specs):
+                out.add(op.index)
+        elif op.kind == "node" or (op.kind == "body_input" and len(op.operands) == 1):
+            live = [r for r in op.operands if r is not None and ops[r.op].depends]
+            if live and all(r.op in out for r in live):
+                out.add(op.index)
+    return out
+
+
 def param_shapes(coarse: Coarse) -> frozenset[tuple[int, ...]]:
     """Shapes of parameters and model state (and of one layer of a stacked one)."""
     return frozenset(
@@ -97,6 +120,7 @@ class _Pricer:
         self.penalty = float(penalty)
         self.param_shapes = param_shapes(coarse)
         self._grad: dict[int, bool] = {}
+        self._from_replicated = _from_replicated(coarse, catalog) if self.penalty else set()
         self._class_cache: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
         self._matrix_cache: dict[tuple, tuple] = {}
 
@@ -136,6 +160,11 @@ class _Pricer:
         node = op.node
         if any(t.shape in self.param_shapes for t in node.out_tensors):
             return 0.0  # parameter-shaped work (casts, gradients) follows the state's layout
+        if op.index in self._from_replicated:
+            # Work on replicated state alone (a position-embedding slice broadcast to the
+            # batch's rank): no sharded value reaches it, so propagation leaves it
+            # replicated, not split for free and gathered again for its reader.
+            return 0.0
         if node.flops > 0:
             fraction = st.flops / node.flops
         elif st.outs and node.out_tensors and node.out_tensors[0].ndim:
@@ -184,7 +213,7 @@ class _Pricer:
                     self.gradient(op),
                     g.follow.get(oi),
                     internal,
-                    op.phase if self.penalty else None,
+                    (op.phase, oi in self._from_replicated) if self.penalty else None,
                 )
             )
         return tuple(sig)
