@@ -42,6 +42,7 @@ from autopar.errors import (  # noqa: E402
 from autopar.options import LoweringOptions, SearchOptions  # noqa: E402
 from autopar.plan import (  # noqa: E402
     ActivationConstraint,
+    Candidate,
     PipelinePlan,
     Plan,
     Predicted,
@@ -56,6 +57,7 @@ __all__ = [
     "AutoParallel",
     "AccumulateError",
     "AutoparError",
+    "Candidate",
     "Cluster",
     "Graph",
     "InfeasiblePlanError",

@@ -147,6 +147,7 @@ def _plan_pipeline(
     from autopar import baselines
     from autopar.errors import InfeasiblePlanError
     from autopar.search import plan_graph
+    from autopar.search.shortlist import candidate, rank
     from autopar.search.stages import evaluate_pipeline
 
     schedule = options.schedule or "1f1b"
@@ -207,7 +208,9 @@ def _plan_pipeline(
             program=_program(graph, plan, acc),
         )  # fmt: skip
         priced.append((not ev.fits, ev.step_time_s, len(priced), plan, ev))
-    bad, _, _, plan, ev = min(priced, key=lambda t: t[:3])
+    bad, _, index, plan, ev = min(priced, key=lambda t: t[:3])
+    others = [candidate(q.name, q.mesh, e) for *_, i, q, e in priced if i != index]
+    shortlist = rank(candidate(plan.name, plan.mesh, ev), others, limit)
     if bad:
         raise InfeasiblePlanError(
             f"the pipeline plan needs {ev.memory_bytes_per_device:.4g} bytes per device, "
@@ -220,6 +223,7 @@ def _plan_pipeline(
         predicted=ev.to_predicted(),
         cluster=cluster.to_json(),
         cost_model_version=cost_models.COST_MODEL_VERSION,
+        shortlist=shortlist,
     )
 
 

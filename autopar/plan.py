@@ -325,6 +325,53 @@ class Predicted:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One plan the search priced, kept in :attr:`Plan.shortlist` beside the winner.
+
+    Attributes:
+        label: what it is, in words (``"data 4 x tensor 2"``, ``"pipeline-1f1b+autopar"``).
+        mesh: its mesh.
+        step_time_s: its predicted step time (the number the search compared); ``None``
+            when it was not solved.
+        memory_bytes_per_device: its predicted peak per device (``None``: not solved).
+        compute_s: its compute seconds.
+        bubble_s: its pipeline bubble seconds.
+        communication_by_class: seconds per collective class
+            (``cost_models.COMM_CLASSES``).
+        verdict: ``"chosen"``, or why it lost (slower, and by what; over the memory bound,
+            and by how much; not solved, and why).
+
+    Example:
+        >>> c = Candidate("data 8", {"data": 8}, 1e-3, 2e9, 8e-4, 0.0, {"dp_grad": 2e-4}, "chosen")
+        >>> Candidate.from_json(c.to_json()) == c
+        True
+    """
+
+    label: str
+    mesh: Mapping[str, int]
+    step_time_s: float | None
+    memory_bytes_per_device: float | None
+    compute_s: float = 0.0
+    bubble_s: float = 0.0
+    communication_by_class: Mapping[str, float] = field(default_factory=dict)
+    verdict: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh", dict(self.mesh))
+        object.__setattr__(self, "communication_by_class", dict(self.communication_by_class))
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
+            "mesh": dict(self.mesh),
+            "communication_by_class": dict(self.communication_by_class),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Candidate:
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
 class LayerStrategy:
     """A human-readable description of what the plan does in one layer (for reports)."""
 
@@ -361,6 +408,7 @@ class Plan:
     fingerprint: str = ""
     name: str = "autopar"
     cost_model_version: str = ""
+    shortlist: tuple[Candidate, ...] = ()
     schema_version: int = SCHEMA_VERSION
     # Pytree structure of the args/results; not serialised, re-attached by ``bind``.
     in_tree: Any = field(default=None, compare=False, repr=False)
@@ -369,7 +417,7 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mesh", dict(self.mesh))
         object.__setattr__(self, "cluster", dict(self.cluster))
-        for name in ("inputs", "outputs", "activations", "layers"):
+        for name in ("inputs", "outputs", "activations", "layers", "shortlist"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # -- views ------------------------------------------------------------------------
@@ -425,6 +473,7 @@ class Plan:
             "cluster": dict(self.cluster),
             "fingerprint": self.fingerprint,
             "cost_model_version": self.cost_model_version,
+            "shortlist": [c.to_json() for c in self.shortlist],
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -453,6 +502,7 @@ class Plan:
                 fingerprint=d["fingerprint"],
                 name=d["name"],
                 cost_model_version=d["cost_model_version"],
+                shortlist=tuple(Candidate.from_json(c) for c in d.get("shortlist", ())),
             )
         except (KeyError, TypeError) as e:
             raise LoadPlanError(f"plan JSON is malformed ({type(e).__name__}: {e}).") from e

@@ -173,5 +173,26 @@ def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
         parts.append(collectives_table(plan))
     if plan.layers:
         parts.append(layers_table(plan, max_layers))
+    if len(plan.shortlist) > 1:
+        parts.append(shortlist_table(plan))
     parts.append(inputs_table(plan.inputs, "Input layouts (sharded leaves)"))
     return render(*parts, width=width)
+
+
+def shortlist_table(plan: Plan, limit: int = 8) -> Table:
+    """The plan's shortlist: each candidate the search priced, its step time and memory,
+    and why it lost (:attr:`autopar.plan.Plan.shortlist`)."""
+    t = Table(title="Candidates the search compared (best first)", title_justify="left")
+    for col, just in (("candidate", "left"), ("step time", "right"), ("memory/device", "right"),
+                      ("verdict", "left")):  # fmt: skip
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for c in plan.shortlist[:limit]:
+        t.add_row(
+            c.label,
+            "-" if c.step_time_s is None else format_seconds(c.step_time_s),
+            "-" if c.memory_bytes_per_device is None else format_bytes(c.memory_bytes_per_device),
+            c.verdict,
+        )
+    if len(plan.shortlist) > limit:
+        t.add_row(f"... {len(plan.shortlist) - limit} more", "", "", "")
+    return t

@@ -34,11 +34,12 @@ from typing import Any
 from autopar.axes import AXIS_NAMES, BATCH_AXES
 from autopar.errors import InfeasiblePlanError, InvalidOptionError, SolveShardingError
 from autopar.options import SearchOptions
-from autopar.plan import PipelinePlan, Plan
+from autopar.plan import Candidate, PipelinePlan, Plan
 from autopar.progress import SearchProgress
 from autopar.search.evaluate import complete_layouts, decode
 from autopar.search.intra_op import MeshResult, build_problem, solve_mesh, step_lower_bound
 from autopar.search.meshes import candidate_meshes, expert_dims, offered_axes
+from autopar.search.shortlist import candidate, rank, unsolved
 from autopar.search.to_plan import role_names, write_plan
 from autopar.trace.graph import Graph
 
@@ -235,10 +236,38 @@ def plan_graph(
         per = batch // (m * replicas) if batch % (m * replicas) == 0 else None
         pipeline = PipelinePlan(pipeline.stages, pipeline.schedule, m, microbatch_size=per)
     plan = write_plan(best, graph, cluster, limit, pipeline)
-    plan = _polish(plan, best, tried, graph, cluster, options, limit, pipeline, accumulation)
+    plan, best = _polish(plan, best, tried, graph, cluster, options, limit, pipeline, accumulation)
     if results is not None:
         results.extend(tried)
-    return plan
+    return dataclasses.replace(plan, shortlist=_shortlist(plan, best, tried, limit))
+
+
+def _shortlist(
+    plan: Plan, best: MeshResult, tried: list[MeshResult], limit: float
+) -> tuple[Candidate, ...]:
+    """The plan first, then every other mesh looked at, best first, with why it lost."""
+    chosen = candidate(_mesh_str(plan.mesh), plan.mesh, best.evaluation)
+    others = []
+    for r in tried:
+        named = {(r.rename or {}).get(a, a): n for a, n in r.mesh.items()}
+        if r is best:
+            continue
+        if r.evaluation is not None and not r.skipped:
+            others.append(candidate(_mesh_str(named), named, r.evaluation))
+        elif r.min_memory_bytes is not None:
+            others.append(
+                Candidate(
+                    _mesh_str(named), named, None, r.min_memory_bytes,
+                    verdict=f"does not fit: its smallest footprint is {r.min_memory_bytes / 2**30:.3g} GiB, "
+                    f"{r.min_memory_bytes / limit - 1:+.1%} over the bound",
+                )
+            )  # fmt: skip
+        else:
+            why = r.skipped or "no solution within the time limit"
+            if r.bound_s:
+                why += f" (step time >= {r.bound_s * 1e6:.0f} us)"
+            others.append(unsolved(_mesh_str(named), named, why))
+    return rank(chosen, others, limit)
 
 
 def _mesh_str(mesh: dict[str, int]) -> str:
@@ -309,7 +338,7 @@ def _polish(
     limit: float,
     pipeline: PipelinePlan | None,
     accumulation: Any,
-) -> Plan:
+) -> tuple[Plan, MeshResult]:
     """Solve the written plan's own problem (everything it pins fixed; the problem
     ``evaluate_plan`` solves for it) and predict from that solution.
 
@@ -328,8 +357,9 @@ def _polish(
     polished = MeshResult(dict(bp.ctx.mesh_dict), best.bound_s, bp, sol)
     polished.evaluation = decode(bp, sol.choice, status=sol.status, memory_limit=limit)
     polished.time_limit_s = best.time_limit_s
+    polished.rename = best.rename
     tried[tried.index(best)] = polished
-    return dataclasses.replace(plan, predicted=polished.evaluation.to_predicted())
+    return dataclasses.replace(plan, predicted=polished.evaluation.to_predicted()), polished
 
 
 __all__ = [
