@@ -16,8 +16,10 @@ caller scales. Schedules: :func:`make_schedule` (``"gpipe"``, ``"1f1b"``,
 Interleaved 1F1B (``virtual_stages = v > 1``): the cut has ``p v`` stages (model chunks)
 and device ``d`` runs chunks ``d, p + d, 2p + d, ...``; the ``ppermute`` sends become a ring
 (the forward from device ``p - 1`` feeds device 0's next chunk, backward the reverse).
-Unrolled layers only in this version (a scanned stack would have to be sharded into
-non-contiguous chunks per device).
+A scanned stack comes in split over ``pipe`` in contiguous blocks like any other (device
+``d`` holds chunks ``d v .. d v + v - 1``); once per step the program moves each chunk to
+the device that runs it with a few ``ppermute`` rounds (:func:`stack_relayout`: every device
+sends only the chunks it must, at most ``v``) and the stack's gradients back the same way.
 
 Parameters: a scanned layer stack's inputs are sharded over ``pipe`` on their layer axis,
 so each device holds only its stage's layers. Other parameters (unrolled layers,
@@ -65,12 +67,14 @@ __all__ = [
     "Piece",
     "PipelinedGradients",
     "Schedule",
+    "StackRelayout",
     "StageCut",
     "buffer_slots",
     "cut_stages",
     "make_schedule",
     "pipelined_gradients",
     "send_slots",
+    "stack_relayout",
 ]
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -368,7 +372,8 @@ def _allocate(intervals: Sequence[tuple[int, int, Any]]) -> tuple[dict[Any, int]
 @dataclass(frozen=True)
 class _Tables:
     """Per tick ``t`` and stage ``s`` (arrays ``[T, p]``): the branch to run, its
-    microbatch, and the buffer slots it reads and writes (``K`` = the trash slot)."""
+    microbatch, the buffer slots it reads and writes (``K`` = the trash slot), and the
+    device's chunk it runs (``k // p`` for virtual stage ``k``; 0 when idle)."""
 
     branch: np.ndarray
     micro: np.ndarray
@@ -378,6 +383,7 @@ class _Tables:
     s_write: np.ndarray
     f_write: np.ndarray
     b_write: np.ndarray
+    chunk: np.ndarray
     f_slots: int
     b_slots: int
     s_slots: int
@@ -418,9 +424,11 @@ def _tables(schedule: Schedule) -> _Tables:
         "s_write": np.full(shape, ks, np.int32),
         "f_write": np.full(shape, kf, np.int32),
         "b_write": np.full(shape, kb, np.int32),
+        "chunk": np.zeros(shape, np.int32),
     }
     for t, d, kind, m, k in ops:
         tab["micro"][t, d] = m
+        tab["chunk"][t, d] = k // p
         if kind == "F":
             tab["branch"][t, d] = 1 + k
             tab["s_write"][t, d] = s_slot[d][(k, m)]
@@ -455,7 +463,8 @@ class PipelinedGradients:
         pipe_axis: the mesh axis the stages run along.
         in_specs: per flat input, its ``PartitionSpec`` over ``pipe_axis`` (stacked layer
             parameters ``P(pipe)``, everything else ``P()``; other axes are left to the
-            partitioner).
+            partitioner). Interleaved too: the program itself moves the chunks
+            (:func:`stack_relayout`).
     """
 
     cut: StageCut
@@ -542,7 +551,9 @@ def pipelined_gradients(
         virtual_stages: ``v``, model chunks per device (``"interleaved-1f1b"``): the cut
             then has ``p v`` stages (one per chunk, in model order) for a ``pipe`` axis of
             ``p`` devices, and device ``d`` runs chunks ``d, p + d, ...``. Needs
-            ``microbatches % p == 0`` and unrolled layers (no scanned stack).
+            ``microbatches % p == 0``. A scanned stack's chunks are moved to the devices
+            that run them and its gradients back inside the program
+            (:func:`stack_relayout`); its layout outside stays ``P(pipe)``.
         pipe_axis: the mesh axis name.
 
     Returns:
@@ -550,7 +561,7 @@ def pipelined_gradients(
 
     Raises:
         LowerPlanError: mesh/stage mismatch, unsupported schedule, a microbatch count
-            the interleaved schedule cannot use, or a scanned stack with ``v > 1``.
+            the interleaved schedule cannot use.
 
     Example:
         >>> mesh = autopar.lower.make_mesh({"pipe": 2, "data": 4})
@@ -582,12 +593,6 @@ def pipelined_gradients(
             f"axis of {mesh.shape[pipe_axis]} devices needs {mesh.shape[pipe_axis] * v} "
             f"(p * v chunks: device d runs chunks d, p + d, ...); cut into that many"
         )
-    if v > 1 and (cut.stacked_inputs or cut.stacked_outputs):
-        raise LowerPlanError(
-            f"virtual_stages={v} with a scanned layer stack is not supported yet: each "
-            f"device would need the non-contiguous chunks d, p + d, ... of the stack; unroll "
-            f"the layers (e.g. scan_layers=False) or use virtual_stages=1"
-        )
     if isinstance(schedule, Schedule):
         sched = schedule
     else:
@@ -613,11 +618,167 @@ def pipelined_gradients(
     return PipelinedGradients(cut, sched, mesh, pipe_axis, in_specs, out_specs, fn)
 
 
+@dataclass(frozen=True)
+class StackRelayout:
+    """How an interleaved pipeline moves a scanned stack's chunks between the caller's
+    layout and the one its chunks run in (from :func:`stack_relayout`).
+
+    The caller's stack ``(L, ...)`` is split over ``pipe`` in contiguous blocks
+    (``P(pipe)`` on the layer axis): device ``d`` holds chunks ``d v .. d v + v - 1``
+    (``n = L / (p v)`` layers each). Interleaving runs chunk ``c`` on device ``c % p``,
+    so device ``d`` needs chunks ``d, p + d, ...``. Chunk ``c`` moves from slot ``c % v``
+    of device ``c // v`` to slot ``c // p`` of device ``c % p``; the moves between
+    different devices are grouped into ``rounds``, each a partial permutation of ``pipe``
+    (every device sends and receives at most one chunk), as few as the busiest device's
+    moves (a bipartite edge colouring), so a device sends at most the chunks it has to.
+    Each round is one ``ppermute`` of one chunk per stacked array, going in (parameters)
+    and coming back (their gradients, by the reverse rounds).
+
+    Attributes:
+        num_stages: ``p``.
+        virtual_stages: ``v``.
+        rounds: per round, its ``(source device, target device)`` pairs.
+        send_slot: ``[rounds, p]``: the caller-layout slot device ``d`` sends in a round
+            (0 where it sends nothing).
+        recv_slot: ``[rounds, p]``: the chunk-layout slot device ``d`` receives into
+            (0 where it receives nothing).
+        gather: ``[p, v]``: where device ``d``'s chunk slot ``j`` comes from: ``i < v``
+            its own caller-layout slot ``i``, ``v + r`` what round ``r`` delivered.
+
+    Example:
+        >>> r = stack_relayout(2, 2)  # device 0: chunks 0, 1 -> 0, 2; device 1: 2, 3 -> 1, 3
+        >>> r.rounds, r.gather.tolist()
+        ((((0, 1), (1, 0)),), [[0, 2], [2, 1]])
+        >>> len(stack_relayout(4, 2).rounds), len(stack_relayout(2, 4).rounds)
+        (2, 2)
+    """
+
+    num_stages: int
+    virtual_stages: int
+    rounds: tuple[tuple[tuple[int, int], ...], ...]
+    send_slot: np.ndarray
+    recv_slot: np.ndarray
+    gather: np.ndarray
+
+    def to_chunks(self, x: jax.Array, axis: str) -> jax.Array:
+        """Inside ``shard_map`` over ``axis``: this device's caller-layout block
+        ``(v n, ...)`` -> its chunks ``(v, n, ...)`` (slot ``j``: chunk ``j p + d``)."""
+        v = self.virtual_stages
+        d = jax.lax.axis_index(axis)
+        own = x.reshape(v, x.shape[0] // v, *x.shape[1:])
+        got = [
+            jax.lax.ppermute(
+                jax.lax.dynamic_index_in_dim(own, jnp.asarray(self.send_slot[r])[d], 0, False),
+                axis,
+                list(pairs),
+            )
+            for r, pairs in enumerate(self.rounds)
+        ]
+        pool = jnp.concatenate([own, *(g[None] for g in got)]) if got else own
+        return jnp.take(pool, jnp.asarray(self.gather)[d], axis=0)
+
+    def from_chunks(self, y: jax.Array, axis: str) -> jax.Array:
+        """The reverse of :meth:`to_chunks`: chunks ``(v, n, ...)`` -> the caller-layout
+        block ``(v n, ...)`` (the reverse rounds carry each chunk home)."""
+        v, p = self.virtual_stages, self.num_stages
+        d = jax.lax.axis_index(axis)
+        got = [
+            jax.lax.ppermute(
+                jax.lax.dynamic_index_in_dim(y, jnp.asarray(self.recv_slot[r])[d], 0, False),
+                axis,
+                [(b, a) for a, b in pairs],
+            )
+            for r, pairs in enumerate(self.rounds)
+        ]
+        # slot i of device d is chunk c = d v + i, held at chunk slot c // p of c % p
+        back = np.zeros((p, v), np.int32)
+        for dev in range(p):
+            for i in range(v):
+                c = dev * v + i
+                src = self.gather[c % p, c // p]
+                back[dev, i] = c // p if src < v else v + (src - v)
+        pool = jnp.concatenate([y, *(g[None] for g in got)]) if got else y
+        out = jnp.take(pool, jnp.asarray(back)[d], axis=0)
+        return out.reshape(v * out.shape[1], *out.shape[2:])
+
+
+def stack_relayout(num_stages: int, virtual_stages: int) -> StackRelayout:
+    """The chunk moves of an interleaved pipeline's scanned stack (:class:`StackRelayout`).
+
+    Example:
+        >>> [len(stack_relayout(p, v).rounds) for p, v in ((2, 1), (2, 2), (4, 2), (2, 4))]
+        [0, 1, 2, 2]
+    """
+    p, v = num_stages, virtual_stages
+    moves = []  # (source device, source slot, target device, target slot)
+    for c in range(p * v):
+        moves.append((c // v, c % v, c % p, c // p))
+    remote = [mv for mv in moves if mv[0] != mv[2]]
+    colors = _edge_colors([(s, t) for s, _, t, _ in remote])
+    n_rounds = max(colors, default=-1) + 1
+    send_slot = np.zeros((n_rounds, p), np.int32)
+    recv_slot = np.zeros((n_rounds, p), np.int32)
+    gather = np.zeros((p, v), np.int32)
+    rounds: list[list[tuple[int, int]]] = [[] for _ in range(n_rounds)]
+    for (s, i, t, j), r in zip(remote, colors, strict=True):
+        rounds[r].append((s, t))
+        send_slot[r, s] = i
+        recv_slot[r, t] = j
+        gather[t, j] = v + r
+    for s, i, t, j in moves:
+        if s == t:
+            gather[t, j] = i
+    return StackRelayout(
+        p, v, tuple(tuple(sorted(pairs)) for pairs in rounds), send_slot, recv_slot, gather
+    )
+
+
+def _edge_colors(edges: Sequence[tuple[int, int]]) -> list[int]:
+    """A proper edge colouring of a bipartite multigraph (sources, targets) with as many
+    colours as its largest degree (Konig): each new edge takes a colour free at both ends,
+    after swapping two colours along an alternating path if needed."""
+    at: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)  # node -> colour -> edge
+    color: list[int] = [-1] * len(edges)
+    ends = [(("s", s), ("t", t)) for s, t in edges]
+
+    def free(node: tuple[str, int]) -> int:
+        c = 0
+        while c in at[node]:
+            c += 1
+        return c
+
+    for e, (u, w) in enumerate(ends):
+        a, b = free(u), free(w)
+        if a in at[w]:  # swap a and b along the path from w that starts with colour a
+            path, node, c = [], w, a
+            while c in at[node]:
+                f = at[node][c]
+                path.append(f)
+                node = ends[f][0] if ends[f][1] == node else ends[f][1]
+                c = b if c == a else a
+            for f in path:
+                for end in ends[f]:
+                    del at[end][color[f]]
+            for f in path:
+                color[f] = b if color[f] == a else a
+                for end in ends[f]:
+                    at[end][color[f]] = f
+        color[e] = a
+        at[u][a] = e
+        at[w][a] = e
+    return color
+
+
 def _pipeline_body(
     cut: StageCut, sched: Schedule, m_count: int, axis: str
 ) -> Callable[..., tuple[Any, ...]]:
     p = cut.num_stages  # virtual stages: p_dev * v
-    p_dev = sched.num_stages
+    p_dev, v = sched.num_stages, sched.virtual_stages
+    # v > 1: a stacked input arrives as (v, 1, n, ...), chunk j of this device at [j];
+    # a stacked output's accumulator is (v, n, ...), chunk j's sum at [j]
+    chunked_in = set(cut.stacked_inputs) if v > 1 else set()
+    chunked_out = set(cut.stacked_outputs) if v > 1 else set()
+    relayout = stack_relayout(p_dev, v)
     tabs = _tables(sched)
     jaxpr = cut.jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, cut.jaxpr.consts, strict=True))
@@ -632,9 +793,9 @@ def _pipeline_body(
                 return (f_layout.zeros(), b_layout.zeros(), s_layout.zeros(),
                         tuple(jnp.zeros(a.shape, a.dtype) for a in out_avals))  # fmt: skip
             env: dict[Any, Any] = dict(consts)
-            for i in pc.inputs:
-                env[jaxpr.invars[i]] = fixed[i]
             s = pc.stage
+            for i in pc.inputs:
+                env[jaxpr.invars[i]] = fixed[i][s // p_dev] if i in chunked_in else fixed[i]
             if pc.kind == "forward":
                 if s > 0:
                     env.update(zip(pc.recv, f_layout.unpack(s - 1, recv_f), strict=True))
@@ -672,11 +833,9 @@ def _pipeline_body(
     else:
         fwd_perm = [(i, i + 1) for i in range(p_dev - 1)]
         bwd_perm = [(i + 1, i) for i in range(p_dev - 1)]
-    xs = tuple(
-        jnp.asarray(a)
-        for a in (tabs.branch, tabs.micro, tabs.f_read, tabs.b_read, tabs.s_read,
-                  tabs.s_write, tabs.f_write, tabs.b_write)
-    )  # fmt: skip
+    rows = [tabs.branch, tabs.micro, tabs.f_read, tabs.b_read, tabs.s_read, tabs.s_write,
+            tabs.f_write, tabs.b_write] + ([tabs.chunk] if chunked_out else [])  # fmt: skip
+    xs = tuple(jnp.asarray(a) for a in rows)
 
     def body(*flat: Any) -> tuple[Any, ...]:
         d = jax.lax.axis_index(axis)
@@ -685,14 +844,20 @@ def _pipeline_body(
         for i in batch:
             x = flat[i]
             micro_views[i] = x.reshape(x.shape[0] // m_count, m_count, *x.shape[1:])
+        for i in chunked_in:
+            fixed[i] = relayout.to_chunks(flat[i], axis)
         fbuf = f_layout.zeros((tabs.f_slots + 1,))
         bbuf = b_layout.zeros((tabs.b_slots + 1,))
         sbuf = s_layout.zeros((tabs.s_slots + 1,))
-        accs = tuple(jnp.zeros(a.shape, a.dtype) for a in out_avals)
+        accs = tuple(
+            jnp.zeros(((v,) if i in chunked_out else ()) + a.shape, a.dtype)
+            for i, a in enumerate(out_avals)
+        )
 
         def tick(carry, row):
             fbuf, bbuf, sbuf, accs = carry
-            br, m, fr, brd, sr, sw, fw, bw = (r[d] for r in row)
+            br, m, fr, brd, sr, sw, fw, bw = (r[d] for r in row[:8])
+            j = row[8][d] if chunked_out else None
             fx = list(fixed)
             for i, x in micro_views.items():
                 fx[i] = jax.lax.dynamic_index_in_dim(x, m, axis=1, keepdims=False)
@@ -706,7 +871,14 @@ def _pipeline_body(
                 jax.lax.dynamic_update_index_in_dim(b, v, sw, 0)
                 for b, v in zip(sbuf, sout, strict=True)
             )
-            accs = tuple(a + c for a, c in zip(accs, contrib, strict=True))
+            accs = tuple(
+                jax.lax.dynamic_update_index_in_dim(
+                    a, jax.lax.dynamic_index_in_dim(a, j, keepdims=False) + c, j, 0
+                )
+                if i in chunked_out
+                else a + c
+                for i, (a, c) in enumerate(zip(accs, contrib, strict=True))
+            )
             if p > 1:
                 fin = tuple(jax.lax.ppermute(v, axis, fwd_perm) for v in fsend)
                 bin_ = tuple(jax.lax.ppermute(v, axis, bwd_perm) for v in bsend)
@@ -722,7 +894,12 @@ def _pipeline_body(
 
         (_, _, _, accs), _ = jax.lax.scan(tick, (fbuf, bbuf, sbuf, accs), xs)
         return tuple(
-            a if i in cut.stacked_outputs else jax.lax.psum(a, axis) for i, a in enumerate(accs)
+            relayout.from_chunks(a, axis)
+            if i in chunked_out
+            else a
+            if i in cut.stacked_outputs
+            else jax.lax.psum(a, axis)
+            for i, a in enumerate(accs)
         )
 
     return body

@@ -26,7 +26,13 @@ import jax
 import numpy as np
 
 from autopar.errors import LowerPlanError
-from autopar.lower.pipeline import buffer_slots, cut_stages, make_schedule, send_slots
+from autopar.lower.pipeline import (
+    buffer_slots,
+    cut_stages,
+    make_schedule,
+    send_slots,
+    stack_relayout,
+)
 from autopar.lower.split import AccumulateError, gradient_graph
 from autopar.plan import Plan
 from autopar.trace.graph import Graph
@@ -35,9 +41,34 @@ from autopar.trace.graph import Graph
 @dataclass(frozen=True)
 class PipelineProgram:
     """What the lowered pipeline (:mod:`autopar.lower.pipeline`) runs, in bytes per
-    device: its ticks, the buffers one tick sends, the buffers it carries from tick to
-    tick (``name -> (slots, bytes of one slot)``), how many outputs of ``G`` it sums over
-    ``pipe`` after the flush, and which outputs of ``G`` stay split over ``pipe``."""
+    device.
+
+    Attributes:
+        ticks: ticks of the schedule. Each tick every device runs at most one piece: the
+            forward or backward of one microbatch through one stage, or, interleaved
+            (``virtual_stages = v > 1``), through one chunk (``1/v`` of a device's
+            layers), so an interleaved step has about ``v`` times as many, shorter ticks.
+        sends: bytes of each buffer one tick sends (one ``ppermute`` each, every tick;
+            forward slots then backward slots).
+        forward_sends / backward_sends: the forward and the backward slots alone.
+        buffers: what the program carries from tick to tick,
+            ``name -> (slots, bytes of one slot)`` (``"forward"``, ``"backward"``,
+            ``"stash"``; interleaved: slots keyed by chunk and microbatch).
+        psums: outputs of ``G`` summed over ``pipe`` after the flush.
+        stacked_outputs: outputs of ``G`` that stay split over ``pipe`` (a scanned stack's
+            gradients).
+        virtual_stages: ``v``, chunks per device.
+        relayout_sends: interleaved with a scanned stack: bytes of each ``ppermute`` that
+            moves the stack's chunks from the caller's layout (contiguous blocks of ``v``
+            chunks per device) to the chunks each device runs (``d, p + d, ...``) and the
+            stack's gradients back, once per step (outside the ticks);
+            :func:`autopar.lower.pipeline.stack_relayout` groups the moves into rounds of
+            one chunk per device. Empty otherwise.
+        relayout_bytes: their sum: what the busiest device sends per step for the
+            relayout (every device sends at most this).
+        relayout_kind: the collective that moves it (``"collective-permute"`` over
+            ``pipe``; priced as point-to-point sends).
+    """
 
     ticks: int
     sends: tuple[float, ...]
@@ -46,6 +77,10 @@ class PipelineProgram:
     buffers: dict[str, tuple[int, float]]
     psums: int
     stacked_outputs: frozenset[int]
+    virtual_stages: int = 1
+    relayout_sends: tuple[float, ...] = ()
+    relayout_bytes: float = 0.0
+    relayout_kind: str = "collective-permute"
 
 
 def pipeline_program(
@@ -91,6 +126,7 @@ def pipeline_program(
         return float(nbytes)
 
     slots = buffer_slots(cut, schedule)
+    relayout = _relayout_sends(cut, plan, schedule, pipe_axis)
     return PipelineProgram(
         ticks=len(schedule.ticks),
         sends=tuple(per_device(*key) for key in send_slots(cut)),
@@ -102,7 +138,45 @@ def pipeline_program(
         },
         psums=len(cut.jaxpr.jaxpr.outvars) - len(cut.stacked_outputs),
         stacked_outputs=frozenset(cut.stacked_outputs),
+        virtual_stages=schedule.virtual_stages,
+        relayout_sends=relayout,
+        relayout_bytes=float(sum(relayout)),
     )
+
+
+def _relayout_sends(cut: Any, plan: Plan, schedule: Any, pipe_axis: str) -> tuple[float, ...]:
+    """Bytes per device of each ``ppermute`` moving an interleaved scanned stack: per
+    round of :func:`~autopar.lower.pipeline.stack_relayout`, one chunk of every stacked
+    input (in) and of every stacked output (back). A stacked input also split over other
+    mesh axes (its plan spec) sends that share; a stacked output (a gradient, laid out by
+    the partitioner) is taken to be split like the stacked input of its shape and dtype."""
+    v = schedule.virtual_stages
+    if v == 1 or not (cut.stacked_inputs or cut.stacked_outputs):
+        return ()
+    rounds = len(stack_relayout(schedule.num_stages, v).rounds)
+    invars, outvars = cut.jaxpr.jaxpr.invars, cut.jaxpr.jaxpr.outvars
+
+    def share(i: int) -> int:
+        spec = plan.inputs[i].spec if i < len(plan.inputs) else ()
+        axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        return math.prod(plan.mesh.get(a, 1) for a in axes if a != pipe_axis)
+
+    split_of = {}
+    for i in cut.stacked_inputs:
+        split_of.setdefault(_key(invars[i].aval), share(i))
+    chunks = [
+        _nbytes(cut.aval(invars[i])) / share(i) for i in cut.stacked_inputs
+    ] + [_nbytes(cut.aval(outvars[i])) / split_of.get(_key(outvars[i].aval), 1)
+         for i in cut.stacked_outputs]  # fmt: skip
+    return tuple(float(b) for _ in range(rounds) for b in chunks)
+
+
+def _key(aval: Any) -> tuple:
+    return (tuple(aval.shape), np.dtype(aval.dtype))
+
+
+def _nbytes(aval: Any) -> int:
+    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
 __all__ = ["PipelineProgram", "pipeline_program"]

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.errors import LowerPlanError
@@ -34,6 +35,7 @@ from autopar.lower.pipeline import (
     cut_stages,
     make_schedule,
     pipelined_gradients,
+    stack_relayout,
 )
 
 LOSS_RTOL = 1e-5
@@ -329,6 +331,116 @@ def test_gpt_interleaved_pipeline_matches_single_device_more(layers, mesh_name, 
     _check("gpt_unrolled", layers, mesh_name, "interleaved-1f1b", m, v)
 
 
+def test_gpt_interleaved_pipeline_over_a_scanned_stack_matches_single_device():
+    """``v = 2`` over an ``nn.scan`` stack of 4 layers on ``pipe = 2``: chunks of one layer,
+    device ``d`` runs chunks ``d`` and ``2 + d``; the loss and every gradient (the stack's
+    included, returned split over ``pipe`` like the input) equal single-device."""
+    cut, run = _check("gpt_scan", 4, "pipe2_data4", "interleaved-1f1b", 4, 2)
+    assert cut.stacked_inputs and len(cut.stacked_outputs) == 16
+    for i in cut.stacked_inputs:
+        assert run.in_specs[i] == jax.sharding.PartitionSpec("pipe")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layers", "mesh_name", "m", "v"), [(8, "pipe4_data2", 4, 2), (8, "pipe2_data4", 4, 4)]
+)
+def test_gpt_interleaved_pipeline_over_a_scanned_stack_more(layers, mesh_name, m, v):
+    _check("gpt_scan", layers, mesh_name, "interleaved-1f1b", m, v)
+
+
+# -- the scanned stack's relayout (interleaved) ----------------------------------------------
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 1), (2, 2), (4, 2), (2, 4), (4, 4), (8, 3), (3, 2)])
+def test_stack_relayout_moves_each_chunk_once_in_as_few_rounds_as_the_busiest_device(p, v):
+    """Chunk ``c`` (caller layout: slot ``c % v`` of device ``c // v``) must end at slot
+    ``c // p`` of device ``c % p``. Each round is a partial permutation; the rounds are as
+    many as the most chunks one device sends or receives (no device sends more than it
+    must)."""
+    r = stack_relayout(p, v)
+    sent, recv = np.zeros(p, int), np.zeros(p, int)
+    for c in range(p * v):
+        if c // v != c % p:
+            sent[c // v] += 1
+            recv[c % p] += 1
+    assert len(r.rounds) == max(sent.max(), recv.max())
+    moved = []
+    for k, pairs in enumerate(r.rounds):
+        assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+        assert all(a != b for a, b in pairs)
+        moved += [(a, int(r.send_slot[k, a]), b, int(r.recv_slot[k, b])) for a, b in pairs]
+    want = [(c // v, c % v, c % p, c // p) for c in range(p * v) if c // v != c % p]
+    assert sorted(moved) == sorted(want)
+    for c in range(p * v):  # where each chunk slot is read from
+        src = int(r.gather[c % p, c // p])
+        if c // v == c % p:
+            assert src == c % v
+        else:
+            k = src - v
+            assert (c // v, c % p) in r.rounds[k] and r.send_slot[k, c // v] == c % v
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (4, 2), (2, 4), (8, 3)])
+def test_stack_relayout_in_the_program_moves_chunks_there_and_back(p, v):
+    mesh = make_mesh({"pipe": p, **({"data": 8 // p} if p < 8 else {})})
+    r = stack_relayout(p, v)
+    n = 2
+    x = jnp.arange(p * v * n * 3, dtype=jnp.float32).reshape(p * v * n, 3)
+
+    def there_and_back(x):
+        chunks = r.to_chunks(x, "pipe")
+        return chunks[None], r.from_chunks(chunks, "pipe")
+
+    run = jax.shard_map(
+        there_and_back,
+        mesh=mesh,
+        in_specs=P("pipe"),
+        out_specs=(P("pipe"), P("pipe")),
+        axis_names={"pipe"},
+        check_vma=False,
+    )
+    chunks, back = jax.jit(run)(x)
+    # device d holds chunks d, p + d, ...: [d, j] is chunk j p + d
+    want = np.asarray(x).reshape(v, p, n, 3).transpose(1, 0, 2, 3)
+    np.testing.assert_array_equal(np.asarray(chunks), want)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+
+
+def test_pipeline_program_describes_an_interleaved_scanned_plan():
+    """``pipeline_program`` of an interleaved plan over a scanned stack: the schedule's
+    chunk ticks, the padded sends, and the relayout (per round, one chunk of each stacked
+    input and output); the plain 1F1B plan has none."""
+    from autopar.lower.program import pipeline_program
+    from autopar.lower.split import plan_accumulation
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+
+    cfg = GPTConfig.preset("tiny", precision="fp32", scan_layers=True, layers=4)
+    step, args = make_train_step(cfg, BATCH)
+    graph = autopar.trace(step, *args)
+    acc = plan_accumulation(step, args, 4, full=graph)
+    mesh = {"pipe": 2, "data": 4}
+    progs = {}
+    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        plan = autopar.baselines.pipeline(
+            step, mesh, *args, microbatches=4, schedule=schedule, virtual_stages=v
+        )
+        progs[v] = pipeline_program(graph, plan, acc)
+    one, two = progs[1], progs[2]
+    assert one.virtual_stages == 1 and one.relayout_sends == () and one.relayout_bytes == 0.0
+    assert two.virtual_stages == 2
+    assert two.ticks == len(make_schedule("interleaved-1f1b", 2, 4, 2).ticks)
+    assert one.ticks == len(make_schedule("1f1b", 2, 4).ticks)
+    assert two.sends == one.sends  # one [microbatch / data, seq, hidden] each way
+    stack = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]["params"]["h"]))
+    # one round (each device sends one of its two chunks), params in and gradients back:
+    # a quarter of the stack each way
+    assert len(two.relayout_sends) == 2 * 16
+    assert two.relayout_bytes == pytest.approx(2 * stack / 4)
+    assert two.relayout_kind == "collective-permute"
+    assert two.stacked_outputs == one.stacked_outputs and len(two.stacked_outputs) == 16
+
+
 # -- what the program does -----------------------------------------------------------------
 
 
@@ -470,12 +582,6 @@ def test_pipeline_rejects_mesh_mismatch():
         pipelined_gradients(cut4, "1f1b", 4, make_mesh({"pipe": 2, "data": 4}), 2)
     with pytest.raises(LowerPlanError, match="multiple of the pipeline size"):
         pipelined_gradients(cut4, "interleaved-1f1b", 3, make_mesh({"pipe": 2, "data": 4}), 2)
-
-
-def test_interleaved_pipeline_refuses_a_scanned_stack():
-    cut = _cut("gpt_scan", 4, 4, 4)
-    with pytest.raises(LowerPlanError, match="scanned layer stack is not supported"):
-        pipelined_gradients(cut, "interleaved-1f1b", 4, make_mesh({"pipe": 2, "data": 4}), 2)
 
 
 def test_pipeline_rejects_a_batch_that_is_not_m_microbatches():
