@@ -61,6 +61,7 @@ from jax.sharding import PartitionSpec as P
 from autopar._compat import eqn_context
 from autopar.errors import LowerPlanError
 from autopar.lower.stages import Piece, StageCut, cut_stages
+from autopar.lower.workarounds import guard_gather, guard_scatter_result
 
 __all__ = [
     "SCHEDULES",
@@ -909,9 +910,10 @@ def _run_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
     """Evaluate equations in order (as ``jax.core.eval_jaxpr`` does), filling ``env``."""
     for eqn in eqns:
         invals = [a.val if isinstance(a, JaxLiteral) else env[a] for a in eqn.invars]
+        invals = guard_gather(eqn, invals)  # an XLA fault: autopar.lower.workarounds
         with eqn_context(eqn):
             out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-        outs = out if eqn.primitive.multiple_results else [out]
+        outs = guard_scatter_result(eqn, out if eqn.primitive.multiple_results else [out])
         for v, o in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, DropVar):
                 env[v] = o
