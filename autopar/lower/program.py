@@ -66,6 +66,8 @@ class PipelineProgram:
             one chunk per device. Empty otherwise.
         relayout_bytes: their sum: what the busiest device sends per step for the
             relayout (every device sends at most this).
+        relayout_copy_bytes: the stack in chunk order, held beside the stack as given
+            while the ticks run (per device: ``v`` chunks of every stacked input).
         relayout_kind: the collective that moves it (``"collective-permute"`` over
             ``pipe``; priced as point-to-point sends).
     """
@@ -81,6 +83,7 @@ class PipelineProgram:
     relayout_sends: tuple[float, ...] = ()
     relayout_bytes: float = 0.0
     relayout_kind: str = "collective-permute"
+    relayout_copy_bytes: float = 0.0
 
 
 def pipeline_program(
@@ -141,6 +144,7 @@ def pipeline_program(
         virtual_stages=schedule.virtual_stages,
         relayout_sends=relayout,
         relayout_bytes=float(sum(relayout)),
+        relayout_copy_bytes=_relayout_copy(cut, plan, schedule, pipe_axis) if relayout else 0.0,
     )
 
 
@@ -169,6 +173,18 @@ def _relayout_sends(cut: Any, plan: Plan, schedule: Any, pipe_axis: str) -> tupl
     ] + [_nbytes(cut.aval(outvars[i])) / split_of.get(_key(outvars[i].aval), 1)
          for i in cut.stacked_outputs]  # fmt: skip
     return tuple(float(b) for _ in range(rounds) for b in chunks)
+
+
+def _relayout_copy(cut: Any, plan: Plan, schedule: Any, pipe_axis: str) -> float:
+    """Bytes per device of the stacked inputs in chunk order (``v`` chunks each)."""
+    invars = cut.jaxpr.jaxpr.invars
+    total = 0.0
+    for i in cut.stacked_inputs:
+        spec = plan.inputs[i].spec if i < len(plan.inputs) else ()
+        axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        split = math.prod(plan.mesh.get(a, 1) for a in axes if a != pipe_axis)
+        total += schedule.virtual_stages * _nbytes(cut.aval(invars[i])) / split
+    return float(total)
 
 
 def _key(aval: Any) -> tuple:

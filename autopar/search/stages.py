@@ -34,8 +34,9 @@ priced in four steps, each from a model the rest of the search already uses:
    chunk activations Megatron-LM's warm-up keeps on device 0, ``2(p-1) + (v-1)p + 1``
    chunks of ``1/v`` of a stage each, bounded by ``m v``), the spare stash slot, the
    receive buffers, and one tick's working set (:func:`_stage_memory`). A scanned stack
-   run interleaved is relaid out by chunk; the program's ``relayout_bytes`` per device
-   (when it says) are held beside the stack and moved over ``pipe`` once per step.
+   run interleaved is relaid out by chunk: the program's ``relayout_sends`` (chunks in,
+   gradients back, one ``ppermute`` each over ``pipe`` per step) are priced as sends and
+   its ``relayout_copy_bytes`` (the stack in chunk order) held beside the stack.
 
 The step time reported is the makespan plus the update, the exposed gradient all-reduce,
 the stack's relayout and the compute of the update; its parts are in
@@ -258,10 +259,9 @@ def evaluate_pipeline(
     ar_s = ar.time_s if ar is not None else 0.0
     # A scanned stack run interleaved is relaid out by chunk (device d holds chunks d,
     # p + d, ...): the runtime's program says how many bytes per device that moves.
-    relayout = float(getattr(prog, "relayout_bytes", 0.0) or 0.0)
-    relayout_s = (
-        pipe_ctx.collective("all-to-all", relayout, (pipe_axis,)).time_s if relayout else 0.0
-    )
+    relayout_sends = tuple(getattr(prog, "relayout_sends", ()) or ())
+    relayout = float(sum(relayout_sends))
+    relayout_s = send_s(relayout_sends) if relayout_sends else 0.0
     step = sim.makespan + upd + ar_s + relayout_s
     compute = sum(fwd) / p * m + sum(bwd) / p * m  # mean stage work per device
     collectives = [
@@ -281,6 +281,15 @@ def evaluate_pipeline(
         PredictedCollective(kind, axes, b, max(1, round(n)), t, cls)
         for (kind, axes, cls), (b, n, t) in sorted(intra.items())
     ]
+    if relayout_sends:
+        # Each ppermute of the stack's relayout (chunks in, gradients back), as the
+        # program sends them (autopar.lower.pipeline.stack_relayout).
+        collectives.append(
+            PredictedCollective(
+                "collective-permute", (pipe_axis,), relayout, len(relayout_sends),
+                relayout_s, "pipeline_relayout",
+            )
+        )  # fmt: skip
     if ar is not None:
         # One psum per output of G not split over pipe (replicated gradients, the loss).
         collectives.append(
@@ -291,9 +300,10 @@ def evaluate_pipeline(
     mem, breakdown = _stage_memory(
         bp, choice, graph, stacked_in, p, sim.peak_inflight, m, prog, accumulation, v
     )
-    if relayout:
-        breakdown["pipeline_relayout"] = relayout  # the relaid stack beside the original
-        mem += relayout
+    copy = float(getattr(prog, "relayout_copy_bytes", 0.0) or 0.0)
+    if copy:
+        breakdown["pipeline_relayout"] = copy  # the stack in chunk order beside the original
+        mem += copy
     return Evaluation(
         mesh=dict(plan.mesh),
         objective_s=step,

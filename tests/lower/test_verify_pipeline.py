@@ -146,6 +146,23 @@ def test_interleaved_stage_to_stage_traffic_and_memory() -> None:
     assert report.ok, report.to_text()
 
 
+@pytest.mark.slow
+def test_interleaved_scanned_stack_relayout_is_predicted() -> None:
+    """A scanned stack run interleaved moves its chunks to the devices that run them and
+    the gradients back: one ppermute per stacked leaf each way (p = v = 2: one round)."""
+    m, v = 4, 2
+    plan, lowered, args = _scored(True, 16, "interleaved-1f1b", m, v)
+    report = verify(plan, lowered, *args)
+    row = report.row("collective-permute")
+    ticks = 2 * (m * v + 2 - 1)
+    stacked = sum(1 for r in plan.inputs if r.role == "param" and r.spec and r.spec[0] == "pipe")
+    # By hand: the tick sends as above, plus each stacked parameter's chunk in and its
+    # gradient's chunk back (one round of the relayout for p = v = 2).
+    assert row.hlo_count == row.predicted_count == ticks * 2 + 2 * stacked
+    assert row.hlo_bytes == row.predicted_bytes
+    assert report.ok, report.to_text()
+
+
 def _compiled_memory(scan: bool, batch: int, schedule: str, m: int) -> tuple[float, float]:
     """(compiled bytes per device, predicted bytes for the same program): the program is
     lowered without donation, so the new state sits beside the old (as verify adds).
