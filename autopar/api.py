@@ -139,8 +139,10 @@ def _plan_pipeline(
     are priced by :func:`autopar.search.stages.evaluate_pipeline` and the faster that fits
     is returned: data parallel over the other axes, and the intra-op plan the search finds
     for one microbatch on the mesh without ``pipe`` (memory bound: a stage's share,
-    ``1/pipe`` of the whole step, so the bound given is multiplied by ``pipe``). The
-    plan's prediction is the winner's price; the loser is named in its summary."""
+    ``1/pipe`` of the whole step, so the bound given is multiplied by ``pipe``). When
+    neither fits and ``remat`` is not fixed, both are priced again with every stage
+    rematerialised (``stage_remat="full"``). The plan's prediction is the winner's price;
+    every candidate priced is in its shortlist."""
     from dataclasses import replace
 
     import cost_models
@@ -161,9 +163,10 @@ def _plan_pipeline(
         raise InvalidOptionError(
             f"virtual_stages={v} needs schedule='interleaved-1f1b'; got {schedule!r}."
         )
-    if options.remat not in (None, "none"):
+    if options.remat not in (None, "none", "full"):
         raise InvalidOptionError(
-            f"remat={options.remat!r} in a pipeline is not available yet; use None or 'none'."
+            f"remat={options.remat!r} in a pipeline is not available: stages rematerialise "
+            "'full' (keep their input, re-run their forward) or 'none'; use one of them or None."
         )
     pipe = options.mesh["pipe"]
     if options.pipeline_stages not in (None, pipe):
@@ -197,27 +200,38 @@ def _plan_pipeline(
             inners.append(plan_graph(graph, cluster, inner_options, accumulation=acc))
         except InfeasiblePlanError:
             pass  # the stages' share may fit though the whole step does not
-    priced = []
-    for inner in inners:
-        plan = baselines.pipeline(
-            fn, options.mesh, *args, microbatches=m, schedule=schedule,
-            virtual_stages=v, inner=inner,
-        )  # fmt: skip
-        ev = evaluate_pipeline(
-            graph, plan, cluster, acc, memory_limit_bytes=limit,
-            program=_program(graph, plan, acc),
-        )  # fmt: skip
-        priced.append((not ev.fits, ev.step_time_s, len(priced), plan, ev))
+    # Remat is a memory lever: tried when the options say so, or when nothing fits without.
+    remats = [options.remat] if options.remat is not None else ["none", "full"]
+    priced: list[tuple] = []
+    for remat in remats:
+        if priced and any(not bad for bad, *_ in priced):
+            break
+        for inner in inners:
+            plan = baselines.pipeline(
+                fn, options.mesh, *args, microbatches=m, schedule=schedule,
+                virtual_stages=v, inner=inner, stage_remat=remat,
+            )  # fmt: skip
+            if remat != "none":
+                plan = replace(plan, name=f"{plan.name} (remat {remat})")
+            ev = evaluate_pipeline(
+                graph, plan, cluster, acc, memory_limit_bytes=limit,
+                program=_program(graph, plan, acc),
+            )  # fmt: skip
+            priced.append((not ev.fits, ev.step_time_s, len(priced), plan, ev))
     bad, _, index, plan, ev = min(priced, key=lambda t: t[:3])
+    if bad:
+        _, _, _, small, sev = min(priced, key=lambda t: t[4].memory_bytes_per_device)
+        need = sev.memory_bytes_per_device
+        raise InfeasiblePlanError(
+            f"no pipeline plan on {dict(options.mesh)} fits the bound of {limit:.4g} bytes "
+            f"per device: the smallest footprint found is {need:.4g} bytes "
+            f"({need / limit - 1:+.1%}, {need - limit:.4g} bytes over), with "
+            f"{small.name!r} (the levers tried: {', '.join(remats)} stage remat, data "
+            "parallel or searched layouts inside the stages); use more stages, more "
+            "microbatches (1F1B), or a larger memory_limit_bytes."
+        )
     others = [candidate(q.name, q.mesh, e) for *_, i, q, e in priced if i != index]
     shortlist = rank(candidate(plan.name, plan.mesh, ev), others, limit)
-    if bad:
-        raise InfeasiblePlanError(
-            f"the pipeline plan needs {ev.memory_bytes_per_device:.4g} bytes per device, "
-            f"{ev.memory_bytes_per_device - limit:.4g} bytes "
-            f"({ev.memory_bytes_per_device / limit - 1:.1%}) over the bound of {limit:.4g}; "
-            "use more stages, more microbatches (1F1B) or a larger memory_limit_bytes."
-        )
     return replace(
         plan,
         predicted=ev.to_predicted(),

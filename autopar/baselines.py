@@ -457,6 +457,7 @@ def pipeline(
     stages: Sequence[tuple[int, int]] | None = None,
     virtual_stages: int = 1,
     inner: Plan | Callable[..., Plan] | None = None,
+    stage_remat: str | Sequence[str] = "none",
 ) -> Plan:
     """Pipeline parallelism over the mesh's ``pipe`` axis, data parallel (or ``inner``)
     over the rest.
@@ -477,6 +478,10 @@ def pipeline(
     other axis may split: each stage runs its own layers whole; such a split is dropped).
     Without ``inner`` the batch is split over the data axes and everything else
     replicated.
+
+    ``stage_remat`` (``"none"`` or ``"full"``, for every stage, or one per stage range)
+    makes a stage keep only its input and re-run its forward in its backward
+    (:mod:`autopar.lower.stage_remat`).
 
     Example:
         >>> from benchmarks.models.gpt import GPTConfig, make_train_step
@@ -536,8 +541,21 @@ def pipeline(
         plan,
         inputs=inputs,
         outputs=outputs,
-        pipeline=PipelinePlan(stages, schedule, microbatches, chunks=v),
+        pipeline=PipelinePlan(
+            stages,
+            schedule,
+            microbatches,
+            chunks=v,
+            stage_remat=_stage_remat(stage_remat, len(stages)),
+        ),
     ).bind(graph.in_tree, graph.out_tree)
+
+
+def _stage_remat(policy: str | Sequence[str], n: int) -> tuple[str, ...]:
+    """Per stage range; ``()`` when no stage is rematerialised (the default a hand edit
+    of the stage ranges keeps valid)."""
+    policies = (policy,) * n if isinstance(policy, str) else tuple(policy)
+    return () if all(p == "none" for p in policies) else policies
 
 
 def _within_stages(graph: Any, within: Plan, mesh: Mapping[str, int], name: str) -> Plan:

@@ -182,7 +182,9 @@ class PipelinePlan:
         microbatches: how many microbatches each step's batch is split into.
         chunks: stage chunks per device (interleaved 1F1B's virtual stages).
         microbatch_size: examples per data-parallel replica per microbatch, when known.
-        stage_remat: the remat policy of each stage (empty: the plan's ``remat``).
+        stage_remat: the remat policy of each stage range, ``"none"`` or ``"full"`` (the
+            stage keeps its input and re-runs its forward in its backward:
+            :mod:`autopar.lower.stage_remat`); empty: ``"none"`` everywhere.
     """
 
     stages: tuple[tuple[int, int], ...]
@@ -197,6 +199,14 @@ class PipelinePlan:
         object.__setattr__(self, "stage_remat", tuple(self.stage_remat))
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise LoadPlanError(f"pipeline microbatches={self.microbatches!r} must be >= 1")
+        if self.stage_remat and (
+            len(self.stage_remat) != len(self.stages)
+            or any(r not in ("none", "full") for r in self.stage_remat)
+        ):
+            raise LoadPlanError(
+                f"pipeline stage_remat={list(self.stage_remat)!r} must give 'none' or 'full' "
+                f"for each of the {len(self.stages)} stage ranges (or be empty: 'none')."
+            )
         if not isinstance(self.chunks, int) or self.chunks < 1 or len(self.stages) % self.chunks:
             raise LoadPlanError(
                 f"pipeline chunks={self.chunks!r} must be >= 1 and divide the {len(self.stages)} "

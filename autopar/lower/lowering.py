@@ -559,7 +559,9 @@ def lower_plan(
     if stages > 1:
         if remat_outside:
             raise LowerPlanError(
-                f"remat={remat!r} in a pipeline is not available yet; use remat='none'."
+                f"remat={remat!r} for a whole pipeline plan is not available; a pipeline "
+                "rematerialises per stage: set plan.pipeline.stage_remat (one of "
+                "'none', 'full' per stage) and remat='none'."
             )
         if "pipe" not in mesh.shape or mesh.shape["pipe"] != stages:
             raise LowerPlanError(
@@ -712,7 +714,9 @@ def _pipelined(
     if graph is None or getattr(graph, "jaxpr", None) is None or not hasattr(graph, "nodes"):
         graph = trace(fn, *dyn)
     acc = plan_accumulation(fn, dyn, pp.microbatches, full=graph)
-    run = pipelined_function(acc, dyn, pp.stages, pp.schedule, mesh, pp.virtual_stages)
+    run = pipelined_function(
+        acc, dyn, pp.stages, pp.schedule, mesh, pp.virtual_stages, pp.stage_remat
+    )
 
     def step(*dyn_args: Any) -> Any:
         return jax.tree_util.tree_unflatten(out_tree, run(*jax.tree_util.tree_leaves(dyn_args)))

@@ -34,6 +34,7 @@ from autopar.lower.pipeline import (
     stack_relayout,
 )
 from autopar.lower.split import AccumulateError, gradient_graph
+from autopar.lower.stage_remat import remat_stages
 from autopar.plan import Plan
 from autopar.trace.graph import Graph
 
@@ -68,6 +69,9 @@ class PipelineProgram:
             relayout (every device sends at most this).
         relayout_copy_bytes: the stack in chunk order, held beside the stack as given
             while the ticks run (per device: ``v`` chunks of every stacked input).
+        recomputed_bytes: with stages rematerialised (``plan.pipeline.stage_remat``), the
+            most any of them re-creates in one backward tick: what its stash held
+            without remat (per device).
         relayout_kind: the collective that moves it (``"collective-permute"`` over
             ``pipe``; priced as point-to-point sends).
     """
@@ -84,6 +88,7 @@ class PipelineProgram:
     relayout_bytes: float = 0.0
     relayout_kind: str = "collective-permute"
     relayout_copy_bytes: float = 0.0
+    recomputed_bytes: float = 0.0
 
 
 def pipeline_program(
@@ -111,6 +116,9 @@ def pipeline_program(
         )
     except (AccumulateError, LowerPlanError):
         return None
+    full = cut
+    if any(r != "none" for r in pp.stage_remat):
+        cut = remat_stages(cut, pp.stage_remat)
     split, rows = 1, None
     for i in accumulation.batch_inputs:
         gi, rec = graph.inputs[i], plan.inputs[i]
@@ -145,6 +153,17 @@ def pipeline_program(
         relayout_sends=relayout,
         relayout_bytes=float(sum(relayout)),
         relayout_copy_bytes=_relayout_copy(cut, plan, schedule, pipe_axis) if relayout else 0.0,
+        recomputed_bytes=max(
+            (
+                sum(
+                    per_device(full.aval(v).shape, full.aval(v).dtype)
+                    for v in full.forward(s).stash
+                )
+                for s, r in enumerate(pp.stage_remat)
+                if r == "full"
+            ),
+            default=0.0,
+        ),
     )
 
 

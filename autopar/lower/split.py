@@ -457,12 +457,15 @@ def pipelined_function(
     schedule: str,
     mesh: Any,
     virtual_stages: int = 1,
+    stage_remat: Sequence[str] = (),
 ) -> Callable[..., list[Any]]:
     """``run(*flat_args) -> flat outputs``: G pipelined over the mesh's ``pipe`` axis
     (:func:`autopar.lower.pipeline.pipelined_gradients`, stages cut from
-    :func:`gradient_graph` at the layer ranges ``stages``), combined as the rules say,
-    then U once on the whole batch."""
+    :func:`gradient_graph` at the layer ranges ``stages``, each stage rematerialised as
+    ``stage_remat`` says: :func:`autopar.lower.stage_remat.remat_stages`), combined as
+    the rules say, then U once on the whole batch."""
     from autopar.lower.pipeline import cut_stages, pipelined_gradients
+    from autopar.lower.stage_remat import remat_stages
 
     for (k, _), rule in zip(acc.handoff, acc.rules, strict=True):
         if rule == "concat":
@@ -472,6 +475,8 @@ def pipelined_function(
             )
     graph = gradient_graph(acc, args)
     cut = cut_stages(graph, stages, batch_inputs=acc.batch_inputs)
+    if any(r != "none" for r in stage_remat):
+        cut = remat_stages(cut, stage_remat)
     pipe = pipelined_gradients(cut, schedule, acc.microbatches, mesh, virtual_stages)
     m = acc.microbatches
     full_j = acc.full.jaxpr

@@ -188,12 +188,15 @@ def evaluate_pipeline(
     shares = node_stages(micro, pp.stages)
     update = set(accumulation.update_eqns)
     fwd, bwd = [0.0] * n, [0.0] * n  # per chunk (per device when not interleaved)
+    fwd_flops = [0.0] * n  # per chunk, one microbatch's forward
+    fwd_redo = [0.0] * n  # per chunk, what re-running one microbatch's forward costs
+    feeds_backward = _feeds_backward(micro) if any(r != "none" for r in pp.stage_remat) else set()
     upd = flops = 0.0
 
     def top(op: Any) -> int:
         return op.scope[0][0] if op.scope else op.node.id
 
-    def charge(op: Any, secs: float) -> None:
+    def charge(op: Any, secs: float, op_flops: float = 0.0, redo_s: float = 0.0) -> None:
         nonlocal upd
         nid = top(op)
         if nid in update or op.kind in ("input", "output"):
@@ -202,9 +205,13 @@ def evaluate_pipeline(
             return
         per_micro = secs / m
         share = shares.get(nid, [1.0 / n] * n)
-        target = bwd if op.phase == "backward" else fwd
+        backward = op.phase == "backward"
+        target = bwd if backward else fwd
         for s in range(n):
             target[s] += per_micro * share[s]
+            if not backward:
+                fwd_flops[s] += op_flops / m * share[s]
+                fwd_redo[s] += redo_s / m * share[s]
 
     for g, group in enumerate(bp.groups):
         strats = group.strategies[choice[g]]
@@ -213,7 +220,10 @@ def evaluate_pipeline(
             st = strats[pos]
             price = price_strategy(ctx, op, st, gradient=bp.is_gradient_op(op))
             flops += op.weight * price.flops
-            charge(op, op.weight * price.linear_s(eta))
+            # Re-running a stage's forward repeats the work the backward reads from
+            # (autopar.lower.stage_remat.recomputed_equations), collectives included.
+            redo = price.linear_s(eta) if top(op) in feeds_backward else 0.0
+            charge(op, op.weight * price.linear_s(eta), op.weight * price.flops, op.weight * redo)
     for e in bp.edges:
         op = bp.ops[e.op]
         st = bp.strategy(e.op, choice)
@@ -225,6 +235,11 @@ def evaluate_pipeline(
         w = min(op.weight, bp.ops[e.ref.op].weight)
         colls = price_reshard(ctx, t, have, need, source=bp.leader(e.ref.op))
         charge(op, w * reshard_linear_s(colls, eta))
+    # A rematerialised stage runs its forward again in its backward, per microbatch.
+    for s, policy in enumerate(pp.stage_remat):
+        if policy == "full":
+            bwd[s] += fwd_redo[s]
+            flops += fwd_flops[s] * m
     # Stage-to-stage sends: what the runtime sends (autopar.lower.pipeline): every tick,
     # one ppermute per slot of the padded forward and backward layouts.
     pipe_ctx = type(ctx)(cluster, {**{pipe_axis: p}, **sub})
@@ -341,6 +356,31 @@ def evaluate_pipeline(
     )
 
 
+def _feeds_backward(graph: Graph) -> set[int]:
+    """Forward nodes (top level) whose results the backward pass reads, directly or
+    through other forward nodes: what a rematerialised stage re-runs."""
+    producer = {v: n.id for n in graph.nodes for v in n.outputs}
+    todo = [
+        producer[v]
+        for n in graph.nodes
+        if n.phase == "backward"
+        for v in n.inputs
+        if v in producer and graph.nodes[producer[v]].phase == "forward"
+    ]
+    seen: set[int] = set()
+    while todo:
+        k = todo.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        todo.extend(
+            producer[v]
+            for v in graph.nodes[k].inputs
+            if v in producer and graph.nodes[producer[v]].phase == "forward"
+        )
+    return seen
+
+
 def _reads_stacked(bp: Any, op: Any, stacked_in: set[int]) -> bool:
     lead = bp.leader(op.index)
     return lead.kind == "input" and lead.input is not None and lead.input.index in stacked_in
@@ -449,6 +489,11 @@ def _stage_memory(
         # share) before they are added, and the sends.
         grads = state.get("grads", 0.0) / (p * chunks)
         out["pipeline_tick"] = grads + sum(prog.sends)
+    # A rematerialised stage re-creates its residuals of one microbatch in a backward
+    # tick: they live until that tick's backward has read them.
+    recomputed = float(getattr(prog, "recomputed_bytes", 0.0) or 0.0)
+    if recomputed:
+        out["pipeline_recompute"] = recomputed
     return sum(out.values()), out
 
 
