@@ -141,8 +141,10 @@ def _plan_pipeline(
     for one microbatch on the mesh without ``pipe`` (memory bound: a stage's share,
     ``1/pipe`` of the whole step, so the bound given is multiplied by ``pipe``). When
     neither fits and ``remat`` is not fixed, both are priced again with every stage
-    rematerialised (``stage_remat="full"``). The plan's prediction is the winner's price;
-    every candidate priced is in its shortlist."""
+    rematerialised (``stage_remat="full"``). Every candidate's stage layouts are pinned
+    (:func:`autopar.search.stages.pipeline_activations`, in ``plan.activations``) and
+    priced with those pins, so the lowered stages run what was priced. The plan's
+    prediction is the winner's price; every candidate priced is in its shortlist."""
     from dataclasses import replace
 
     import cost_models
@@ -150,7 +152,7 @@ def _plan_pipeline(
     from autopar.errors import InfeasiblePlanError
     from autopar.search import plan_graph
     from autopar.search.shortlist import candidate, rank
-    from autopar.search.stages import evaluate_pipeline
+    from autopar.search.stages import evaluate_pipeline, pipeline_activations
 
     schedule = options.schedule or "1f1b"
     v = options.virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
@@ -213,6 +215,9 @@ def _plan_pipeline(
             )  # fmt: skip
             if remat != "none":
                 plan = replace(plan, name=f"{plan.name} (remat {remat})")
+            # The stages' layouts pinned, so the program runs what is priced.
+            pins = pipeline_activations(graph, plan, cluster, acc)
+            plan = replace(plan, activations=pins)
             ev = evaluate_pipeline(
                 graph, plan, cluster, acc, memory_limit_bytes=limit,
                 program=_program(graph, plan, acc),

@@ -548,7 +548,7 @@ def lower_plan(
     # The body: the user's function, or the re-interpreted jaxpr with constraints.
     body: Callable[..., Any] = bound
     constraints = plan.activations if options.activation_constraints else ()
-    if constraints:
+    if constraints and stages <= 1:
         if graph is None or getattr(graph, "jaxpr", None) is None or not hasattr(graph, "nodes"):
             raise LowerPlanError(
                 f"the plan has {len(constraints)} activation constraints, which are placed "
@@ -568,7 +568,7 @@ def lower_plan(
                 f"the plan has {stages} pipeline stages but its mesh {dict(plan.mesh)} has no "
                 f"'pipe' axis of {stages} devices."
             )
-        body = _pipelined(bound, dyn, graph, plan, mesh, out_tree)
+        body = _pipelined(bound, dyn, graph, plan, mesh, out_tree, constraints)
     elif microbatches > 1:
         if remat_outside:
             raise LowerPlanError(
@@ -701,12 +701,25 @@ def _interpreted(
 
 
 def _pipelined(
-    fn: Callable[..., Any], dyn: Sequence[Any], graph: Any, plan: Plan, mesh: Mesh, out_tree: Any
+    fn: Callable[..., Any],
+    dyn: Sequence[Any],
+    graph: Any,
+    plan: Plan,
+    mesh: Mesh,
+    out_tree: Any,
+    constraints: Sequence[ActivationConstraint] = (),
 ) -> Callable[..., Any]:
     """The step with its gradients computed by a pipeline over ``pipe`` (stages, schedule
     and microbatches from ``plan.pipeline``) and its update applied once
-    (:func:`autopar.lower.split.pipelined_function`). Inside the stages, the other mesh
-    axes are left to XLA's propagation from the plan's input layouts."""
+    (:func:`autopar.lower.split.pipelined_function`).
+
+    Inside the stages the other mesh axes are intra-op parallel. The plan's activation
+    constraints (``autopar.search.stages.pipeline_activations``: node ids of the step
+    traced on one microbatch, specs on the mesh without ``pipe``) are applied to the
+    gradient computation before it is cut into stages, so every stage piece carries its
+    ``with_sharding_constraint``s (``pipe`` is manual there, the other axes automatic:
+    the partitioner lays the stage out as the plan priced). Without constraints the
+    stages are left to XLA's propagation from the input layouts."""
     from autopar.lower.split import pipelined_function, plan_accumulation
     from autopar.trace import trace
 
@@ -714,9 +727,15 @@ def _pipelined(
     if graph is None or getattr(graph, "jaxpr", None) is None or not hasattr(graph, "nodes"):
         graph = trace(fn, *dyn)
     acc = plan_accumulation(fn, dyn, pp.microbatches, full=graph)
+    hook, into_bodies = None, False
+    if constraints:
+        _check_constraints(acc.micro, constraints)
+        guard = default_guard(mesh.devices.flat[0].platform)
+        hook, into_bodies = _constraint_hook(constraints, mesh, None, guard)
     run = pipelined_function(
-        acc, dyn, pp.stages, pp.schedule, mesh, pp.virtual_stages, pp.stage_remat
-    )
+        acc, dyn, pp.stages, pp.schedule, mesh, pp.virtual_stages, pp.stage_remat,
+        hook=hook, into_bodies=into_bodies,
+    )  # fmt: skip
 
     def step(*dyn_args: Any) -> Any:
         return jax.tree_util.tree_unflatten(out_tree, run(*jax.tree_util.tree_leaves(dyn_args)))

@@ -53,12 +53,12 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import DropVar
+from jax.extend.core import DropVar, Var
 from jax.extend.core import Literal as JaxLiteral
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from autopar._compat import eqn_context
+from autopar._compat import COMPOSITE_BODY_PARAMS, eqn_context
 from autopar.errors import LowerPlanError
 from autopar.lower.stages import Piece, StageCut, cut_stages
 from autopar.lower.workarounds import guard_gather, guard_scatter_result
@@ -75,6 +75,7 @@ __all__ = [
     "make_schedule",
     "pipelined_gradients",
     "send_slots",
+    "slot_values",
     "stack_relayout",
 ]
 
@@ -351,6 +352,35 @@ def send_slots(cut: StageCut) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
         return ()
     fwd, bwd = _send_layouts(cut)
     return tuple(fwd.slots) + tuple(bwd.slots)
+
+
+def slot_values(cut: StageCut) -> dict[str, tuple[tuple[Var, ...], ...]]:
+    """The values each slot of :func:`buffer_slots`' layouts holds, over the stages
+    (``"forward"``, ``"backward"``, ``"stash"``; slots in the layouts' order): what a
+    slot's bytes per device depend on when the stages' layouts are pinned.
+
+    Example:
+        >>> loss = lambda ws, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), ws, x))
+        >>> g = autopar.trace(jax.value_and_grad(loss), [jnp.eye(4)] * 4, jnp.ones((2, 4)))
+        >>> cut = cut_stages(g, [(0, 2), (2, 4)], batch_inputs=[4])
+        >>> [len(vs) for vs in slot_values(cut)["forward"]]  # one slot, stage 0's value
+        [1]
+    """
+    p = cut.num_stages
+    fwd, bwd = _send_layouts(cut)
+    groups = {
+        "forward": (fwd, [cut.forward(s).send for s in range(p - 1)]),
+        "backward": (bwd, [cut.backward(s).send for s in range(1, p)]),
+        "stash": (_stash_layout(cut), [cut.forward(s).stash for s in range(p)]),
+    }
+    out = {}
+    for name, (layout, values) in groups.items():
+        per: list[list[Var]] = [[] for _ in layout.slots]
+        for g, vs in enumerate(values):
+            for j, v in zip(layout.index[g], vs, strict=True):
+                per[j].append(v)
+        out[name] = tuple(tuple(x) for x in per)
+    return out
 
 
 def _allocate(intervals: Sequence[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
@@ -907,13 +937,101 @@ def _pipeline_body(
 
 
 def _run_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
-    """Evaluate equations in order (as ``jax.core.eval_jaxpr`` does), filling ``env``."""
+    """Evaluate equations in order (as ``jax.core.eval_jaxpr`` does), filling ``env``.
+
+    A ``sharding_constraint`` (a plan's activation pin, traced into G on the concrete
+    mesh, whose axes are all automatic) is bound again against the context's mesh, where
+    ``pipe`` is manual (:func:`_constrain_in_context`); so are those inside loop bodies
+    (:func:`_bodies_in_context`)."""
     for eqn in eqns:
         invals = [a.val if isinstance(a, JaxLiteral) else env[a] for a in eqn.invars]
         invals = guard_gather(eqn, invals)  # an XLA fault: autopar.lower.workarounds
-        with eqn_context(eqn):
-            out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        if eqn.primitive.name == "sharding_constraint":
+            # Outside eqn_context: the equation's own context holds the mesh it was traced
+            # under (none), not the shard_map's.
+            out = _constrain_in_context(eqn, invals[0])
+        else:
+            params = _bodies_in_context(eqn)
+            with eqn_context(eqn):
+                out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
         outs = guard_scatter_result(eqn, out if eqn.primitive.multiple_results else [out])
         for v, o in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, DropVar):
                 env[v] = o
+
+
+def _constrain_in_context(eqn: Any, x: Any) -> Any:
+    """``with_sharding_constraint(x, spec)`` of a traced ``sharding_constraint``'s
+    ``NamedSharding``, on the context's mesh.
+
+    Inside the pipeline's ``shard_map`` the mesh is abstract with ``pipe`` manual; the
+    constraint as traced names the concrete mesh (every axis automatic), and JAX refuses
+    to combine its result with the stage's other values ("Mesh for all inputs should be
+    equal"). The spec never names ``pipe`` (a pipeline plan's pins are for the mesh
+    without it), so the same spec on the context's mesh constrains the automatic axes
+    only. Outside a ``shard_map`` (no context mesh) the equation is bound as traced."""
+    spec = getattr(eqn.params["sharding"], "spec", None)
+    if spec is None or jax.sharding.get_abstract_mesh().empty:
+        with eqn_context(eqn):
+            return eqn.primitive.bind(x, **eqn.primitive.get_bind_params(eqn.params))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _has_constraint(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (open or closed) holds a ``sharding_constraint``, at any depth."""
+    from jax.extend.core import jaxprs_in_params
+
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return any(
+        e.primitive.name == "sharding_constraint"
+        or any(_has_constraint(j) for j in jaxprs_in_params(e.params))
+        for e in jaxpr.eqns
+    )
+
+
+def _bodies_in_context(eqn: Any) -> Any:
+    """``eqn.params`` with every loop/branch body that holds a ``sharding_constraint``
+    re-traced on the context's mesh through :func:`_run_eqns` (the body's result types
+    carry the mesh of its constraints, which must be the ``shard_map``'s); other
+    equations' params unchanged."""
+    keys = COMPOSITE_BODY_PARAMS.get(eqn.primitive.name, ())
+    if not keys or jax.sharding.get_abstract_mesh().empty:
+        return eqn.params
+    params = dict(eqn.params)
+    for key in keys:
+        value = params[key]
+        bodies = list(value) if isinstance(value, tuple | list) else [value]
+        if not any(_has_constraint(b) for b in bodies):
+            continue
+        new = [_retraced(b) if _has_constraint(b) else b for b in bodies]
+        params[key] = type(value)(new) if isinstance(value, tuple | list) else new[0]
+    return params
+
+
+def _retraced(body: Any) -> Any:
+    """``body`` (a ``ClosedJaxpr``; an open ``Jaxpr`` stays open) traced again through
+    :func:`_run_eqns` in the current context."""
+    from jax.extend.core import ClosedJaxpr
+
+    closed = body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, [])
+    jaxpr = closed.jaxpr
+
+    def run(*xs: Any) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, xs, strict=True))
+        _run_eqns(jaxpr.eqns, env)
+        return [a.val if isinstance(a, JaxLiteral) else env[a] for a in jaxpr.outvars]
+
+    avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in jaxpr.invars
+    ]
+    new = jax.make_jaxpr(run)(*avals)
+    if isinstance(body, ClosedJaxpr):
+        return new
+    if new.consts:
+        raise LowerPlanError(
+            "a loop body re-traced for its sharding constraints closed over constants; "
+            "the pipeline cannot run it."
+        )
+    return new.jaxpr

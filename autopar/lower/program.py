@@ -24,13 +24,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Var
 
 from autopar.errors import LowerPlanError
 from autopar.lower.pipeline import (
     buffer_slots,
     cut_stages,
     make_schedule,
-    send_slots,
+    slot_values,
     stack_relayout,
 )
 from autopar.lower.split import AccumulateError, gradient_graph
@@ -111,8 +112,11 @@ def pipeline_program(
         )
         leaves = [jax.ShapeDtypeStruct(gi.tensor.shape, gi.tensor.dtype) for gi in graph.inputs]
         args = jax.tree_util.tree_unflatten(graph.in_tree, leaves)[0]
+        hook, into_bodies = _pins(plan, accumulation)
         cut = cut_stages(
-            gradient_graph(accumulation, args), pp.stages, batch_inputs=accumulation.batch_inputs
+            gradient_graph(accumulation, args, hook, into_bodies),
+            pp.stages,
+            batch_inputs=accumulation.batch_inputs,
         )
     except (AccumulateError, LowerPlanError):
         return None
@@ -136,17 +140,36 @@ def pipeline_program(
                 return float(nbytes // shape[d] * math.ceil(shape[d] / split))
         return float(nbytes)
 
+    specs = value_specs(cut)
+    sizes = {a: n for a, n in plan.mesh.items() if a != pipe_axis}
+
+    def value_bytes(v: Any) -> float:
+        """A value's bytes per device: as its pinned layout splits it, else as above."""
+        aval = cut.aval(v)
+        spec = specs.get(v)
+        if spec is None:
+            return per_device(tuple(aval.shape), aval.dtype)
+        return float(_split_bytes(tuple(aval.shape), aval.dtype, spec, sizes))
+
+    def slot_bytes(key: tuple, values: tuple) -> float:
+        """One slot of a padded layout: the largest share of the values it holds."""
+        if not any(v in specs for v in values):
+            return per_device(*key)
+        return max(value_bytes(v) for v in values)
+
     slots = buffer_slots(cut, schedule)
+    held = slot_values(cut)
+    sized = {
+        name: tuple(slot_bytes(key, vs) for key, vs in zip(layout, held[name], strict=True))
+        for name, (_, layout) in slots.items()
+    }
     relayout = _relayout_sends(cut, plan, schedule, pipe_axis)
     return PipelineProgram(
         ticks=len(schedule.ticks),
-        sends=tuple(per_device(*key) for key in send_slots(cut)),
-        forward_sends=tuple(per_device(*key) for key in slots["forward"][1]),
-        backward_sends=tuple(per_device(*key) for key in slots["backward"][1]),
-        buffers={
-            name: (n, sum(per_device(*key) for key in layout))
-            for name, (n, layout) in slots.items()
-        },
+        sends=sized["forward"] + sized["backward"],
+        forward_sends=sized["forward"],
+        backward_sends=sized["backward"],
+        buffers={name: (n, sum(sized[name])) for name, (n, _) in slots.items()},
         psums=len(cut.jaxpr.jaxpr.outvars) - len(cut.stacked_outputs),
         stacked_outputs=frozenset(cut.stacked_outputs),
         virtual_stages=schedule.virtual_stages,
@@ -155,16 +178,116 @@ def pipeline_program(
         relayout_copy_bytes=_relayout_copy(cut, plan, schedule, pipe_axis) if relayout else 0.0,
         recomputed_bytes=max(
             (
-                sum(
-                    per_device(full.aval(v).shape, full.aval(v).dtype)
-                    for v in full.forward(s).stash
-                )
+                sum(value_bytes(v) for v in full.forward(s).stash)
                 for s, r in enumerate(pp.stage_remat)
                 if r == "full"
             ),
             default=0.0,
         ),
     )
+
+
+def _pins(plan: Plan, accumulation: Any) -> tuple[Any, Any]:
+    """The hook applying a pipeline plan's activation pins to G, as the lowering does
+    (:func:`autopar.lower.lowering._pipelined`), on an abstract mesh of the plan's axes
+    (nothing is placed: the pricing needs no devices); ``(None, False)`` without pins."""
+    if not plan.activations:
+        return None, False
+    from jax.sharding import AbstractMesh, AxisType
+
+    from autopar.lower.lowering import _check_constraints, _constraint_hook
+
+    _check_constraints(accumulation.micro, plan.activations)
+    names = tuple(plan.mesh)
+    mesh = AbstractMesh(
+        tuple(plan.mesh[a] for a in names), names, axis_types=(AxisType.Auto,) * len(names)
+    )
+    return _constraint_hook(plan.activations, mesh)  # type: ignore[arg-type]
+
+
+def value_specs(cut: Any) -> dict[Any, tuple]:
+    """The layout of every value of the cut that a ``sharding_constraint`` fixes: its
+    result, a same-shape elementwise result of it (a follower takes its leader's layout,
+    as in the search's groups), and a loop's result whose body result is fixed (a scan's
+    stacked results gain a whole leading layer axis). Specs as tuples of axis names (or
+    tuples of them, or ``None``) per dimension; values missing are left to the caller.
+
+    Example:
+        >>> from autopar.lower.pipeline import cut_stages
+        >>> rows = jax.NamedSharding(autopar.lower.make_mesh({"data": 8}), jax.P("data"))
+        >>> def loss(ws, x):
+        ...     for w in ws:
+        ...         x = jnp.tanh(jax.lax.with_sharding_constraint(x @ w, rows))
+        ...     return jnp.mean(x ** 2)
+        >>> g = autopar.trace(jax.value_and_grad(loss), [jnp.eye(4)] * 4, jnp.ones((8, 4)))
+        >>> cut = cut_stages(g, [(0, 2), (2, 4)], batch_inputs=[4])
+        >>> sorted(set(value_specs(cut).values()))  # sends and stash: rows split
+        [('data', None)]
+    """
+    producers: dict[Any, Any] = {}
+    for eqn in cut.jaxpr.jaxpr.eqns:
+        for v in eqn.outvars:
+            producers[v] = eqn
+    for pc in cut.pieces:  # split scans are rewritten per piece
+        for eqn in pc.eqns:
+            for v in eqn.outvars:
+                producers.setdefault(v, eqn)
+    out: dict[Any, tuple] = {}
+    memo: dict[Any, Any] = {}
+    for pc in cut.pieces:
+        for v in (*pc.send, *pc.stash):
+            spec = _spec_of(v, producers, memo, 0)
+            if spec is not None:
+                out[v] = spec
+    return out
+
+
+_NOT_ELEMENTWISE = frozenset(
+    {"transpose", "dot_general", "reshape", "rev", "cumsum", "cumprod", "cummax", "sort"}
+)
+
+
+def _spec_of(v: Any, producers: dict[Any, Any], memo: dict[Any, Any], depth: int) -> Any:
+    if v in memo:
+        return memo[v]
+    memo[v] = None
+    eqn = producers.get(v)
+    if eqn is None or depth > 64:
+        return None
+    spec = None
+    name = eqn.primitive.name
+    ndim = len(getattr(v.aval, "shape", ()))
+    if name == "sharding_constraint":
+        spec = tuple(eqn.params["sharding"].spec)
+    elif name == "scan":
+        body = eqn.params["jaxpr"].jaxpr
+        i = list(eqn.outvars).index(v)
+        inner = {w: e for e in body.eqns for w in e.outvars}
+        got = _spec_of(body.outvars[i], inner, {}, depth + 1)
+        if got is not None:
+            spec = got if i < eqn.params["num_carry"] else (None, *got)
+    elif name not in _NOT_ELEMENTWISE and len(eqn.outvars) == 1 and ndim:
+        shape = tuple(v.aval.shape)
+        for a in eqn.invars:
+            if isinstance(a, Var) and tuple(getattr(a.aval, "shape", ())) == shape:
+                spec = _spec_of(a, producers, memo, depth + 1)
+                if spec is not None:
+                    break
+    if spec is not None:
+        spec = tuple(spec) + (None,) * (ndim - len(spec))
+    memo[v] = spec
+    return spec
+
+
+def _split_bytes(shape: tuple[int, ...], dtype: Any, spec: tuple, sizes: dict[str, int]) -> int:
+    """Bytes of the largest shard of a ``shape`` array laid out as ``spec`` (axes not in
+    ``sizes``, such as ``pipe``, do not split it)."""
+    n = np.dtype(dtype).itemsize
+    for d, size in enumerate(shape):
+        e = spec[d] if d < len(spec) else None
+        axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+        n *= math.ceil(size / math.prod(sizes.get(a, 1) for a in axes))
+    return n
 
 
 def _relayout_sends(cut: Any, plan: Plan, schedule: Any, pipe_axis: str) -> tuple[float, ...]:
@@ -214,4 +337,4 @@ def _nbytes(aval: Any) -> int:
     return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-__all__ = ["PipelineProgram", "pipeline_program"]
+__all__ = ["PipelineProgram", "pipeline_program", "value_specs"]

@@ -394,18 +394,34 @@ def _accumulator_dtype(dtype: str) -> Any:
 # ----------------------------------------------------------------------------- pipelines
 
 
-def gradient_function(acc: Accumulation) -> Callable[..., tuple]:
+def gradient_function(
+    acc: Accumulation, hook: Hook | None = None, into_bodies: IntoBodies = False
+) -> Callable[..., tuple]:
     """G as a function of the step's own arguments (one microbatch): returns the values
     G hands to the update and the outputs, in ``acc.handoff`` order. Tracing it
     (:func:`gradient_graph`) keeps every equation's name stack, so layers are found as
-    in the step."""
+    in the step.
+
+    ``hook`` (and ``into_bodies``) as in :func:`autopar.trace.evaluate_inlined`, on the
+    microbatch graph ``acc.micro``: a pipeline plan's activation constraints
+    (``autopar.lower.lowering``) become ``sharding_constraint`` equations of G, so they
+    land in the stage pieces cut from it.
+
+    Example:
+        >>> acc = plan_accumulation(step, (state, batch), microbatches=4)
+        >>> micro = microbatch_args((state, batch), acc.batch_inputs, 4)
+        >>> len(jax.eval_shape(gradient_function(acc), *micro)) == len(acc.handoff)
+        True
+    """
     micro_j = acc.micro.jaxpr
 
     def g(*args: Any) -> tuple:
+        if hook is not None and hasattr(hook, "reset"):
+            hook.reset()
         flat = jax.tree_util.tree_leaves(args)
         env: dict[Any, Any] = dict(zip(micro_j.jaxpr.constvars, micro_j.consts, strict=True))
         env.update(zip(micro_j.jaxpr.invars, flat, strict=True))
-        run_equations(acc.micro, env, acc.gradient_eqns)
+        run_equations(acc.micro, env, acc.gradient_eqns, hook=hook, into_bodies=into_bodies)
         return tuple(read_var(env, micro_j.jaxpr.eqns[k].outvars[j]) for k, j in acc.handoff)
 
     if acc.fn is not None:
@@ -414,12 +430,18 @@ def gradient_function(acc: Accumulation) -> Callable[..., tuple]:
     return g
 
 
-def gradient_graph(acc: Accumulation, args: Sequence[Any]) -> Graph:
+def gradient_graph(
+    acc: Accumulation,
+    args: Sequence[Any],
+    hook: Hook | None = None,
+    into_bodies: IntoBodies = False,
+) -> Graph:
     """:func:`gradient_function` traced on one microbatch of ``args`` (the step's
-    arguments): the graph a pipeline cuts into stages."""
+    arguments): the graph a pipeline cuts into stages (with ``hook``'s constraints, if
+    given, among its equations)."""
     from autopar.trace.api import graph_from_jaxpr
 
-    g = gradient_function(acc)
+    g = gradient_function(acc, hook, into_bodies)
     micro = microbatch_args(args, acc.batch_inputs, acc.microbatches)
     closed, out_shape = jax.make_jaxpr(g, return_shape=True)(*micro)
     roles = [gi.role for gi in acc.full.inputs]
@@ -458,12 +480,15 @@ def pipelined_function(
     mesh: Any,
     virtual_stages: int = 1,
     stage_remat: Sequence[str] = (),
+    hook: Hook | None = None,
+    into_bodies: IntoBodies = False,
 ) -> Callable[..., list[Any]]:
     """``run(*flat_args) -> flat outputs``: G pipelined over the mesh's ``pipe`` axis
     (:func:`autopar.lower.pipeline.pipelined_gradients`, stages cut from
     :func:`gradient_graph` at the layer ranges ``stages``, each stage rematerialised as
     ``stage_remat`` says: :func:`autopar.lower.stage_remat.remat_stages`), combined as
-    the rules say, then U once on the whole batch."""
+    the rules say, then U once on the whole batch. ``hook`` applies to G only (the
+    activation constraints of the stages, :func:`gradient_function`); U runs as traced."""
     from autopar.lower.pipeline import cut_stages, pipelined_gradients
     from autopar.lower.stage_remat import remat_stages
 
@@ -473,7 +498,7 @@ def pipelined_function(
                 f"{acc.full.nodes[k].primitive} at {acc.full.nodes[k].name_stack!r} is a "
                 "per-example output; a pipeline returns sums and means only."
             )
-    graph = gradient_graph(acc, args)
+    graph = gradient_graph(acc, args, hook, into_bodies)
     cut = cut_stages(graph, stages, batch_inputs=acc.batch_inputs)
     if any(r != "none" for r in stage_remat):
         cut = remat_stages(cut, stage_remat)

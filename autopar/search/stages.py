@@ -59,8 +59,14 @@ from typing import Any
 
 import cost_models
 from autopar.errors import LoadPlanError
-from autopar.plan import PipelinePlan, Plan, PredictedCollective, TensorSharding
-from autopar.search.evaluate import Evaluation, complete_layouts
+from autopar.plan import (
+    ActivationConstraint,
+    PipelinePlan,
+    Plan,
+    PredictedCollective,
+    TensorSharding,
+)
+from autopar.search.evaluate import Evaluation, complete_layouts, pinned_activations
 from autopar.search.pricing import (
     price_choice,
     price_reshard,
@@ -121,6 +127,100 @@ def node_stages(graph: Graph, stages: Sequence[tuple[int, int]]) -> dict[int, li
     return out
 
 
+def _flat_plan(graph: Graph, plan: Plan, pipe_axis: str, *, keep_pins: bool) -> Plan:
+    """The stages' plan: the mesh without ``pipe_axis``, the layouts with it struck out,
+    one microbatched stage; the plan's activation pins kept (``keep_pins``) or not."""
+    pp = plan.pipeline
+    for c in plan.activations if keep_pins else ():
+        for e in c.spec:
+            if e == pipe_axis or (isinstance(e, tuple | list) and pipe_axis in e):
+                raise LoadPlanError(
+                    f"activation constraint {c.name!r} (node {c.node}, scope {c.scope}) of "
+                    f"the pipeline plan splits over {pipe_axis!r}; a pipeline plan pins the "
+                    "layouts inside its stages, on the mesh without the pipe axis "
+                    "(autopar.search.stages.pipeline_activations)."
+                )
+    return dataclasses.replace(
+        plan,
+        mesh={a: s for a, s in plan.mesh.items() if a != pipe_axis} or {"data": 1},
+        inputs=tuple(_strip(r, pipe_axis) for r in plan.inputs),
+        outputs=tuple(_strip(r, pipe_axis) for r in plan.outputs),
+        activations=plan.activations if keep_pins else (),
+        pipeline=PipelinePlan(((0, len(graph.layers)),), "gpipe", pp.microbatches),
+    )
+
+
+def pipeline_activations(
+    graph: Graph,
+    plan: Plan,
+    cluster: Any,
+    accumulation: Any,
+    *,
+    time_limit_s: float = 60.0,
+    pipe_axis: str = "pipe",
+) -> tuple[ActivationConstraint, ...]:
+    """The activation pins that make a pipeline's stages run what was priced.
+
+    The plan's layouts, ``pipe`` struck out, are completed on the step traced on one
+    microbatch (``accumulation.micro``) and the sub-mesh without ``pipe`` (the
+    completion :func:`evaluate_pipeline` prices a plan without pins by), and the result
+    is pinned as for any plan (:func:`autopar.search.evaluate.pinned_activations`), less
+    what the pipeline runtime does not run as traced:
+
+    * pins on the update's equations: the update runs once, outside the stages, on the
+      whole mesh, where a stack's parameters are split over ``pipe``;
+    * pins on a scan over layers itself (its results or operands at top level): the
+      pipeline splits that scan over the stages (each runs its own layers' slice of the
+      stacked values), so the whole stacked value never exists. Pins inside its body
+      (one layer's values) apply in every stage.
+
+    The node ids and scopes are those of ``accumulation.micro`` (equal to the whole
+    batch's trace, equation by equation); no spec mentions ``pipe``. Store them in
+    ``plan.activations``: the lowering applies them inside the stage programs
+    (:func:`autopar.lower.split.gradient_function`) and :func:`evaluate_pipeline` prices
+    with them.
+
+    Example:
+        >>> from benchmarks.models.gpt import GPTConfig, make_train_step
+        >>> from autopar.lower.split import plan_accumulation
+        >>> gstep, gargs = make_train_step(GPTConfig.preset("tiny"), 8)
+        >>> mesh = {"pipe": 2, "data": 2, "tensor": 2}
+        >>> plan = autopar.baselines.pipeline(gstep, mesh, *gargs, microbatches=2,
+        ...                                   inner=autopar.baselines.megatron)
+        >>> acc = plan_accumulation(gstep, gargs, 2)
+        >>> pins = pipeline_activations(autopar.trace(gstep, *gargs), plan, cluster, acc)
+        >>> len(pins) > 0, any("pipe" in str(c.spec) for c in pins)
+        (True, False)
+    """
+    if accumulation is None or accumulation.microbatches != plan.pipeline.microbatches:
+        raise LoadPlanError(
+            f"a pipeline of {plan.pipeline.microbatches} microbatches is pinned from the "
+            "step analysed for them (autopar.lower.split.plan_accumulation)."
+        )
+    flat = _flat_plan(graph, plan, pipe_axis, keep_pins=False)
+    bp, sol = complete_layouts(
+        graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation
+    )
+    micro = accumulation.micro
+    grads = set(accumulation.gradient_eqns)
+
+    def applied(c: ActivationConstraint) -> bool:
+        top = c.scope[0][0] if c.scope else c.node
+        if top not in grads:
+            return False
+        return bool(c.scope) or not _layer_scan(micro, c.node)
+
+    return tuple(c for c in pinned_activations(bp, sol.choice) if applied(c))
+
+
+def _layer_scan(graph: Graph, nid: int) -> bool:
+    """Whether top-level node ``nid`` is a scan over layers (the pipeline splits it)."""
+    n = graph.nodes[nid]
+    if n.primitive != "scan" or n.layer is None or n.layer >= len(graph.layers):
+        return False
+    return graph.layers[n.layer].kind == "scan"
+
+
 def evaluate_pipeline(
     graph: Graph,
     plan: Plan,
@@ -171,14 +271,9 @@ def evaluate_pipeline(
         )
     sub = {a: s for a, s in plan.mesh.items() if a != pipe_axis} or {"data": 1}
     stacked_in = {i for i, r in enumerate(plan.inputs) if _on_pipe(r, pipe_axis)}
-    flat = dataclasses.replace(
-        plan,
-        mesh=sub,
-        inputs=tuple(_strip(r, pipe_axis) for r in plan.inputs),
-        outputs=tuple(_strip(r, pipe_axis) for r in plan.outputs),
-        activations=(),
-        pipeline=PipelinePlan(((0, len(graph.layers)),), "gpipe", m),
-    )
+    # With the plan's pins (pipeline_activations) the stages are priced as the program
+    # runs them; without, completed the way XLA's propagation would.
+    flat = _flat_plan(graph, plan, pipe_axis, keep_pins=True)
     bp, sol = complete_layouts(
         graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation
     )
@@ -497,4 +592,4 @@ def _stage_memory(
     return sum(out.values()), out
 
 
-__all__ = ["evaluate_pipeline", "node_stages"]
+__all__ = ["evaluate_pipeline", "node_stages", "pipeline_activations"]

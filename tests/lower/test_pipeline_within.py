@@ -5,10 +5,15 @@ and data parallelism over ``data`` (Megatron's 3D layout) runs from the plain st
 equals single-device ``jax.jit``; the plan splits what it says (asserted on the compiled
 program's input shardings, so a replicated plan cannot pass). Expected values come from
 single-device JAX; tolerances from ``tests/lower/_zoo.py`` (written once).
+
+With the stages' layouts pinned (``autopar.search.stages.pipeline_activations``, stored
+in ``plan.activations``) the compiled stages follow the priced completion: ``autopar.verify``
+compares the plan's prediction with the collectives XLA emits right after partitioning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,11 +26,18 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar import InvalidOptionError, SearchOptions, baselines
 from autopar.lower import lower_plan
+from autopar.lower.split import plan_accumulation
 from autopar.lower.workarounds import guard_gather
+from autopar.plan import Plan, spec_axes
+from autopar.search.stages import pipeline_activations
+from autopar.verify import verify
+from cost_models import Cluster
 from tests.lower._zoo import LOSS_RTOL, compare_params
 
 MESH = {"pipe": 2, "data": 2, "tensor": 2}
 BATCH = 16
+CLUSTER = Cluster.preset("dgx-a100-80gb")
+SEQ, HIDDEN, F32 = 32, 64, 4  # GPT tiny in float32
 
 
 @functools.cache
@@ -129,3 +141,84 @@ def test_searched_pipeline_reports_the_faster_inside_plan():
     ev_dp = autopar.evaluate(step, dp, cluster, *args)
     assert plan.predicted.step_time_s == pytest.approx(ev_plan.step_time_s, rel=1e-9)
     assert plan.predicted.step_time_s <= ev_dp.step_time_s * (1 + 1e-9)
+
+
+@functools.cache
+def _pinned(scan: bool):
+    """The 1F1B m=4 Megatron-inside plan with its stages' layouts pinned and its
+    prediction filled in by ``autopar.evaluate`` (which prices with the pins)."""
+    step, args = _gpt(scan)
+    plan = baselines.pipeline(
+        step, MESH, *args, microbatches=4, schedule="1f1b", inner=baselines.megatron
+    )
+    graph = autopar.trace(step, *args)
+    acc = plan_accumulation(step, args, 4, full=graph)
+    plan = dataclasses.replace(plan, activations=pipeline_activations(graph, plan, CLUSTER, acc))
+    ev = autopar.evaluate(step, plan, CLUSTER, *args)
+    return dataclasses.replace(plan, predicted=ev.to_predicted())
+
+
+@functools.cache
+def _verified(scan: bool):
+    step, args = _gpt(scan)
+    plan = _pinned(scan)
+    return plan, verify(plan, lower_plan(step, plan, args), *args)
+
+
+def test_pinned_stage_layouts_are_stored_without_pipe():
+    plan = _pinned(True)
+    assert len(plan.activations) > 0
+    assert all("pipe" not in spec_axes(c.spec) for c in plan.activations)
+    # Megatron inside: some activation is split over tensor (a pinned layout, not data
+    # parallel alone).
+    assert any("tensor" in spec_axes(c.spec) for c in plan.activations)
+    back = Plan.from_json(plan.to_json())
+    assert back.activations == plan.activations
+
+
+def _check_rows(plan, report) -> None:
+    row = report.row("collective-permute")
+    # By hand: 1F1B over p = 2 stages and m = 4 microbatches runs 2 (m + p - 1) = 10
+    # ticks, each sending one buffer forward and one backward: the residual stream of one
+    # microbatch, [16 / 4, 32, 64] float32, which the pinned layout splits over data and
+    # tensor (sequence split, the completion's choice) -> 4 * 32 * 64 * 4 / 4 bytes.
+    per_send = (BATCH // 4) * SEQ * HIDDEN * F32 // 4
+    assert row.hlo_count == row.predicted_count == 10 * 2
+    assert row.hlo_bytes == row.predicted_bytes == 10 * 2 * per_send
+    assert report.row("all-reduce").status == "ok", report.to_text()
+    assert report.row("reduce-scatter").status == "ok", report.to_text()
+    assert report.memory is not None and report.memory.ok, report.to_text()
+
+
+def test_megatron_inside_stages_run_what_was_priced():
+    """Before the pins, XLA's propagation inside the shard_map laid the stages out its
+    own way: all-gathers 145 predicted vs 8 compiled (+1255% bytes), reduce-scatters 64 vs
+    0, all-reduce bytes +60%, stage-to-stage sends mispriced, memory +34%."""
+    plan, report = _verified(True)
+    _check_rows(plan, report)
+
+
+@pytest.mark.slow
+def test_megatron_inside_unrolled_stages_run_what_was_priced():
+    plan, report = _verified(False)
+    _check_rows(plan, report)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="all-gathers still differ: the priced update gathers optimizer state that "
+    "XLA's unpinned update never gathers (the completion groups the weight gradient with "
+    "the update chain), and parameter reshards inside a stage piece run per microbatch "
+    "in every piece that reads them while the completion counts one per step",
+)
+def test_megatron_inside_verify_is_ok():
+    _, report = _verified(True)
+    assert report.ok, report.to_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_pinned_megatron_inside_equals_single_device(scan):
+    step, args = _gpt(scan)
+    lowered = lower_plan(step, _pinned(scan), args)
+    _run_three_steps(step, args, lowered)
