@@ -317,10 +317,28 @@ def complete(
         >>> dp.predicted.step_time_s > 0
         True
     """
+    from dataclasses import replace
+
     from autopar.search import complete_plan
 
     graph = fn_or_graph if isinstance(fn_or_graph, Graph) else trace(fn_or_graph, *args, **kwargs)
-    return _finish_plan(complete_plan(graph, plan, _resolve_cluster(cluster)), graph)
+    cluster = _resolve_cluster(cluster)
+    if plan.pipeline is not None and plan.pipeline.num_stages > 1:
+        # A pipeline's stages are completed on one microbatch, without ``pipe``
+        # (autopar.search.stages.pipeline_activations), and priced with those pins.
+        from autopar.search.stages import evaluate_pipeline, pipeline_activations
+
+        if isinstance(fn_or_graph, Graph):
+            raise InvalidOptionError(
+                "a pipeline plan is completed from the step function: "
+                "autopar.complete(fn, plan, cluster, *args)."
+            )
+        fn, a = _positional(fn_or_graph, args, kwargs) if kwargs else (fn_or_graph, args)
+        acc = _accumulation(fn, a, graph, plan.pipeline.microbatches)
+        pinned = replace(plan, activations=pipeline_activations(graph, plan, cluster, acc))
+        ev = evaluate_pipeline(graph, pinned, cluster, acc, program=_program(graph, pinned, acc))
+        return _finish_plan(replace(pinned, predicted=ev.to_predicted()), graph)
+    return _finish_plan(complete_plan(graph, plan, cluster), graph)
 
 
 def verify(plan: Plan, lowered: Any, *args: Any):

@@ -222,3 +222,16 @@ def test_pinned_megatron_inside_equals_single_device(scan):
     step, args = _gpt(scan)
     lowered = lower_plan(step, _pinned(scan), args)
     _run_three_steps(step, args, lowered)
+
+
+def test_complete_pins_a_pipeline_plans_stages_and_prices_them():
+    step, args = _gpt(True)
+    plan = baselines.pipeline(step, MESH, *args, microbatches=4, inner=baselines.megatron)
+    assert plan.activations == ()
+    done = autopar.complete(step, plan, "dgx-a100-80gb", *args)
+    assert done.activations
+    assert all("pipe" not in str(c.spec) for c in done.activations)
+    ev = autopar.evaluate(step, done, "dgx-a100-80gb", *args)
+    assert done.predicted.step_time_s == pytest.approx(ev.step_time_s, rel=1e-9)
+    with pytest.raises(InvalidOptionError, match="from the step function"):
+        autopar.complete(autopar.trace(step, *args), plan, "dgx-a100-80gb")
