@@ -228,6 +228,7 @@ def build(
             enabled=coarsen_groups,
             tie_optimizer_state=tie_optimizer_state,
             operand_pins=operand_constraints,
+            split_update=repeat is not None,
         )
         priced = price(coarse, catalog, replication_penalty_s=replication_penalty_s)
         aliases = state_aliases(coarse, flat.input_ops) + tie_layers(

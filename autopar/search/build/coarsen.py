@@ -166,9 +166,14 @@ def coarsen(
     enabled: bool = True,
     tie_optimizer_state: bool = True,
     operand_pins: Mapping[tuple[Scope, int, int], Sharding] | None = None,
+    split_update: bool = False,
 ) -> Coarse:
     """Fold pins, group the ops and pair parameters with their optimizer state
-    (``enabled=False``: every op leads a group of its own)."""
+    (``enabled=False``: every op leads a group of its own). With ``split_update`` (a
+    microbatched step, whose update runs once, apart from the gradient computation), an
+    update op never follows a gradient-computation op: the update takes its own layout
+    (XLA lays the separately run update out by the state it updates) and reads the
+    gradient through a reshard."""
     ops, restrict, folded = _fold_pins(flat.ops, catalog, enabled)
     members: list[list[int]] = []
     follows: list[dict[int, int]] = []
@@ -179,6 +184,13 @@ def coarsen(
         if not op.depends and op.kind in ("node", "body_input"):
             continue
         main = main_operand(ops, op, enabled)
+        if (
+            split_update
+            and main is not None
+            and op.phase == "optimizer"
+            and ops[op.operands[main].op].phase in ("forward", "backward")
+        ):
+            main = None
         if main is not None:
             gi, _ = where[op.operands[main].op]
             follows[gi][op.index] = main
