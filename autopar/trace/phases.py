@@ -24,6 +24,9 @@ Loop bodies inherit their loop's phase (see :func:`autopar.trace.build.body_phas
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Any
+
+from jax.extend.core import jaxprs_in_params
 
 from autopar.trace.build import RawEqn
 from autopar.trace.graph import Phase
@@ -43,6 +46,29 @@ def stack_phase(name_stack: str) -> Phase | None:
     return None
 
 
+def differentiates_inside(eqn: Any) -> bool:
+    """Whether a loop or call equation computes gradients inside its body (a
+    ``transpose(`` name stack in it): a step that accumulates gradients with ``lax.scan``
+    over microbatches, whose top-level loop carries no transform in its own name.
+
+    Example:
+        >>> def step(w, xs):
+        ...     def body(acc, x):
+        ...         return acc + jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w), None
+        ...     return jax.lax.scan(body, jnp.zeros_like(w), xs)[0]
+        >>> j = jax.make_jaxpr(step)(jnp.ones((2, 2)), jnp.ones((3, 4, 2)))
+        >>> [differentiates_inside(e) for e in j.eqns if e.primitive.name == "scan"]
+        [True]
+    """
+    if eqn is None:
+        return False
+    for sub in jaxprs_in_params(eqn.params):
+        for inner in sub.eqns:
+            if "transpose(" in str(inner.source_info.name_stack) or differentiates_inside(inner):
+                return True
+    return False
+
+
 def assign_phases(eqns: Sequence[RawEqn], state_outputs: Collection[int]) -> list[Phase]:
     """One phase per top-level equation (see the module docstring for the rule).
 
@@ -55,7 +81,15 @@ def assign_phases(eqns: Sequence[RawEqn], state_outputs: Collection[int]) -> lis
         ``phases[k]`` for equation ``k``.
     """
     phases: list[Phase | None] = [stack_phase(e.name_stack) for e in eqns]
-    backward = [k for k, p in enumerate(phases) if p == "backward"]
+    # A loop that computes gradients inside its body (gradient accumulation with
+    # ``lax.scan``) is a forward loop whose body holds both phases (``body_phase``); its
+    # results are gradients, so what follows it is placed as after a backward pass.
+    grad_loops = {
+        k for k, e in enumerate(eqns) if phases[k] is None and differentiates_inside(e.eqn)
+    }
+    for k in grad_loops:
+        phases[k] = "forward"
+    backward = sorted({k for k, p in enumerate(phases) if p == "backward"} | grad_loops)
     if not backward:
         return [p or "forward" for p in phases]
     first, last = backward[0], backward[-1]
@@ -64,7 +98,7 @@ def assign_phases(eqns: Sequence[RawEqn], state_outputs: Collection[int]) -> lis
     tainted: set[int] = set()
     for k in range(first, len(eqns)):
         e = eqns[k]
-        if phases[k] == "backward" or any(v in tainted for v in e.inputs):
+        if phases[k] == "backward" or k in grad_loops or any(v in tainted for v in e.inputs):
             tainted.update(e.outputs)
     # Equations that feed a state output (walk backwards).
     needed: set[int] = set(state_outputs)
@@ -96,4 +130,6 @@ def backward_tainted(eqns: Sequence[RawEqn], phases: Sequence[Phase]) -> set[int
     for e, p in zip(eqns, phases, strict=True):
         if p == "backward" or any(v in tainted for v in e.inputs):
             tainted.update(e.outputs)
+        elif p == "forward" and differentiates_inside(e.eqn):
+            tainted.update(e.outputs)  # a gradient accumulation loop's results
     return tainted

@@ -168,6 +168,33 @@ def test_gradient_accumulation_loop_splits_phases():
     assert {n.phase for n in scan.body[0]} >= {"forward", "backward"}
 
 
+def test_accumulation_loop_gives_parameters_and_an_optimizer_phase():
+    """A step that accumulates gradients with ``lax.scan`` over microbatches, then runs
+    Adam: its top-level equations carry no transform in their names (the gradients are
+    taken inside the loop), yet the weights are parameters, Adam's moments optimizer
+    state, and the update after the loop is the optimizer phase."""
+    tx = optax.adam(1e-3)
+    params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 2))}
+    opt = tx.init(params)
+
+    def step(weights, opt_state, xs):
+        def body(acc, x):
+            return jax.tree.map(jnp.add, acc, jax.grad(_loss)(weights, x)), None
+
+        grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, weights), xs)
+        updates, opt_state = tx.update(grads, opt_state, weights)
+        return optax.apply_updates(weights, updates), opt_state
+
+    g = trace(step, params, opt, _sds(3, 16, 4))
+    roles = {gi.path: gi.role for gi in g.inputs}
+    assert roles["weights/w1"] == roles["weights/w2"] == "param"
+    assert {r for p, r in roles.items() if p.startswith("opt_state/") and "mu" in p} == {
+        "opt_state"
+    }
+    after = [n for n in g if n.id > next(n.id for n in g if n.primitive == "scan")]
+    assert any(n.phase == "optimizer" for n in after)
+
+
 def test_summary_is_text():
     g = trace(_sgd, PARAMS, X)
     text = g.summary()
