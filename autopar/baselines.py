@@ -520,6 +520,11 @@ def pipeline(
     if inner is None:
         plan = _build(graph, mesh_d, (), name=f"pipeline-{schedule}", batch_axes=data)
     else:
+        if not isinstance(inner, Plan) and not callable(inner):
+            raise InvalidOptionError(
+                f"inner={inner!r}: give a Plan for the mesh without 'pipe' ({sub}) or a "
+                "baseline called as inner(fn, mesh, *args), e.g. autopar.baselines.megatron."
+            )
         within = inner if isinstance(inner, Plan) else inner(fn, sub or {"data": 1}, *args)
         plan = _within_stages(graph, within, mesh_d, f"pipeline-{schedule}+{within.name}")
     stacked = set(cut.stacked_inputs)

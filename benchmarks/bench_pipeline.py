@@ -129,7 +129,7 @@ def row(
 
     import autopar
     from autopar.lower import CPU_MEMORY_COMPILER_OPTIONS, lower_plan
-    from autopar.verify.report import state_bytes_per_device
+    from autopar.verify import memory_row
     from cost_models import Cluster
 
     step, (state, batch), want = model(scan, layers, name)
@@ -145,14 +145,8 @@ def row(
     stats = compiled.memory_analysis()
     got = float(compiled(*lowered.place_inputs((state, batch)))[1])
     rel = abs(got - want) / abs(want)
-    compiled_bytes = (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        + stats.temp_size_in_bytes
-        - stats.alias_size_in_bytes
-    )
     # As autopar.verify: the step is not donated, so the new state sits beside the old.
-    undonated = max(0.0, state_bytes_per_device(plan) - stats.alias_size_in_bytes)
+    mem = memory_row(stats, plan, ev.memory_bytes_per_device)
     return {
         "model": f"{name}-{'scan' if scan else 'unrolled'}",
         "layers": layers,
@@ -172,8 +166,8 @@ def row(
         "predicted_bytes": ev.memory_bytes_per_device,
         "predicted_activation_bytes": ev.memory_breakdown["activations"],
         "compiled_temp_bytes": stats.temp_size_in_bytes,
-        "compiled_bytes": compiled_bytes,
-        "memory_error": (ev.memory_bytes_per_device + undonated) / compiled_bytes - 1,
+        "compiled_bytes": mem.compiled_bytes,
+        "memory_error": mem.error,
         "loss": got,
         "reference_loss": want,
         "numerics": "ok" if rel <= LOSS_RTOL else f"DIFF {rel:.1e}",

@@ -31,6 +31,7 @@ from autopar.lower.pipeline import (
     cut_stages,
     make_schedule,
     pipelined_gradients,
+    stack_relayout,
 )
 from autopar.lower.program import PipelineProgram, pipeline_program
 from autopar.lower.remat import (
@@ -47,6 +48,7 @@ from autopar.lower.split import (
     pipelined_function,
     plan_accumulation,
 )
+from autopar.lower.stage_remat import remat_stages
 
 __all__ = [
     "Accumulation",
@@ -77,4 +79,6 @@ __all__ = [
     "plan_accumulation",
     "plan_remat",
     "remat_policy",
+    "remat_stages",
+    "stack_relayout",
 ]

@@ -27,6 +27,8 @@ from autopar.verify.report import (
     MemoryRow,
     VerifyReport,
     VerifyRow,
+    memory_row,
+    state_bytes_per_device,
     verify,
 )
 
@@ -42,9 +44,11 @@ __all__ = [
     "VerifyRow",
     "dump_spmd_hlo",
     "group_axes",
+    "memory_row",
     "parse_collectives",
     "parse_replica_groups",
     "shape_bytes",
+    "state_bytes_per_device",
     "verify",
 ]
 

@@ -285,9 +285,25 @@ def _memory(obj: Any, args: Sequence[Any], plan: Plan) -> MemoryRow | None:
         stats = lowered.compile(compiler_options=opts).memory_analysis()
     if stats is None:
         return None
+    return memory_row(stats, plan)
+
+
+def memory_row(stats: Any, plan: Plan, predicted_bytes: float | None = None) -> MemoryRow:
+    """Compiled peak bytes per device (``memory_analysis()`` ``stats``: arguments +
+    outputs + temporaries - aliases) against the prediction (``predicted_bytes``, default
+    the plan's), plus the new state a program compiled without donation holds beside the
+    old (:func:`state_bytes_per_device` not aliased): what :func:`verify` compares.
+
+    Example:
+        >>> row = memory_row(lowered.memory_analysis(*args), plan)  # doctest: +SKIP
+        >>> row.ok  # doctest: +SKIP
+        True
+    """
     arg, out = float(stats.argument_size_in_bytes), float(stats.output_size_in_bytes)
     temp, alias = float(stats.temp_size_in_bytes), float(stats.alias_size_in_bytes)
-    predicted = float(plan.predicted.memory_bytes_per_device)
+    if predicted_bytes is None:
+        predicted_bytes = plan.predicted.memory_bytes_per_device
+    predicted = float(predicted_bytes)
     undonated = max(0.0, state_bytes_per_device(plan) - alias) if predicted > 0 else 0.0
     return MemoryRow(
         predicted + undonated, arg + out + temp - alias, arg, out, temp, alias, undonated

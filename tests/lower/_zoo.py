@@ -131,6 +131,25 @@ def reference(model: str) -> tuple[Callable, tuple, Any, list[float], list[Any]]
     return step, args, jax.tree.map(np.asarray, state), losses, starts
 
 
+def check_against_single_device(step: Callable, args: tuple, lowered: Callable) -> None:
+    """``lowered`` against single-device ``jax.jit(step)`` for :data:`STEPS` steps: each
+    step's loss from the reference's state before it (``LOSS_RTOL``), then the free-running
+    state after all of them (:func:`compare_params`)."""
+    state, batch = args
+    jitted = jax.jit(step)
+    want, starts, losses = state, [], []
+    for _ in range(STEPS):
+        starts.append(want)
+        want, loss = jitted(want, batch)
+        losses.append(float(loss))
+    got_losses = [float(lowered(s, batch)[1]) for s in starts]
+    np.testing.assert_allclose(got_losses, losses, rtol=LOSS_RTOL)
+    got = state
+    for _ in range(STEPS):
+        got, _ = lowered(got, batch)
+    compare_params(got, want)
+
+
 def compare_params(got: Any, want: Any) -> tuple[float, float]:
     """Assert the tolerance contract; return (max |diff|, fraction above PARAM_ATOL)."""
     got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)

@@ -32,7 +32,7 @@ from autopar.plan import Plan, spec_axes
 from autopar.search.stages import pipeline_activations
 from autopar.verify import verify
 from cost_models import Cluster
-from tests.lower._zoo import LOSS_RTOL, compare_params
+from tests.lower._zoo import check_against_single_device
 
 MESH = {"pipe": 2, "data": 2, "tensor": 2}
 BATCH = 16
@@ -47,22 +47,6 @@ def _gpt(scan: bool):
     cfg = GPTConfig.preset("tiny", precision="fp32", scan_layers=scan, layers=4)
     step, args = make_train_step(cfg, BATCH, abstract=False)
     return step, jax.device_put(args, jax.devices()[0])
-
-
-def _run_three_steps(step, args, lowered):
-    state, batch = args
-    jitted = jax.jit(step)
-    want, starts, losses = state, [], []
-    for _ in range(3):
-        starts.append(want)
-        want, loss = jitted(want, batch)
-        losses.append(float(loss))
-    got_losses = [float(lowered(s, batch)[1]) for s in starts]
-    np.testing.assert_allclose(got_losses, losses, rtol=LOSS_RTOL)
-    got = state
-    for _ in range(3):
-        got, _ = lowered(got, batch)
-    compare_params(got, want)
 
 
 def _spec_of(lowered, path: str):
@@ -84,7 +68,7 @@ def test_megatron_inside_1f1b_stages_equals_single_device(scan):
     )
     assert plan.name == "pipeline-1f1b+megatron"
     lowered = lower_plan(step, plan, args)
-    _run_three_steps(step, args, lowered)
+    check_against_single_device(step, args, lowered)
     # What the plan splits, as compiled: a column-parallel kernel over pipe (its layer
     # stack, scanned) and tensor (its output features); the embedding over tensor.
     q = "params/h/attn/q/kernel" if scan else "params/h_0/attn/q/kernel"
@@ -99,6 +83,8 @@ def test_inner_plan_must_be_for_the_mesh_without_pipe():
     wrong = baselines.megatron(step, {"data": 4, "tensor": 2}, *args)
     with pytest.raises(InvalidOptionError, match="without 'pipe'"):
         baselines.pipeline(step, MESH, *args, microbatches=4, inner=wrong)
+    with pytest.raises(InvalidOptionError, match="give a Plan"):
+        baselines.pipeline(step, MESH, *args, microbatches=4, inner="megatron")
 
 
 def test_gather_along_a_split_dimension_inside_a_pipe_manual_shard_map():
@@ -215,7 +201,7 @@ def test_megatron_inside_verify_is_ok():
 def test_pinned_megatron_inside_equals_single_device(scan):
     step, args = _gpt(scan)
     lowered = lower_plan(step, _pinned(scan), args)
-    _run_three_steps(step, args, lowered)
+    check_against_single_device(step, args, lowered)
 
 
 def test_complete_pins_a_pipeline_plans_stages_and_prices_them():

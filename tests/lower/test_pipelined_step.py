@@ -19,7 +19,7 @@ import autopar
 from autopar import SearchOptions, baselines
 from autopar.lower import lower_plan
 from cost_models import Cluster
-from tests.lower._zoo import LOSS_RTOL, compare_params
+from tests.lower._zoo import LOSS_RTOL, check_against_single_device, compare_params
 
 EIGHT = Cluster.preset("dgx-a100-80gb")
 BATCH = 16
@@ -43,20 +43,8 @@ def _moe():
 
 
 def _check(step, args, plan):
-    state, batch = args
     lowered = lower_plan(step, plan, args)
-    jitted = jax.jit(step)
-    want, starts, losses = state, [], []
-    for _ in range(3):
-        starts.append(want)
-        want, loss = jitted(want, batch)
-        losses.append(float(loss))
-    got_losses = [float(lowered(s, batch)[1]) for s in starts]
-    np.testing.assert_allclose(got_losses, losses, rtol=LOSS_RTOL)
-    got = state
-    for _ in range(3):
-        got, _ = lowered(got, batch)
-    compare_params(got, want)
+    check_against_single_device(step, args, lowered)
     return lowered
 
 

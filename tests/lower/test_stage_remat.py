@@ -124,10 +124,9 @@ def test_remat_stages_cost_a_forward_and_keep_one_activation():
 
 def test_remat_stages_run_equal_to_single_device_and_use_less_memory():
     from autopar.lower import lower_plan
-    from tests.lower._zoo import LOSS_RTOL, compare_params
+    from tests.lower._zoo import check_against_single_device
 
     step, args = _gpt()
-    state, batch = args
     temps = {}
     for remat in ("none", "full"):
         plan, ev = _priced(remat)
@@ -135,20 +134,16 @@ def test_remat_stages_run_equal_to_single_device_and_use_less_memory():
         temps[remat] = lowered.memory_analysis(*args).temp_size_in_bytes
         if remat == "none":
             continue
-        want, got = state, state
-        for _ in range(3):
-            ref, ref_loss = jax.jit(step)(want, batch)
-            out, loss = lowered(want, batch)
-            np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)
-            want = ref
-            got, _ = lowered(got, batch)
-        compare_params(got, want)
+        check_against_single_device(step, args, lowered)
+        # A pipeline that splits: the scanned stack over pipe (each stage its layers).
+        assert plan.input("params/h/attn/q/kernel").spec[0] == "pipe"
         report = autopar.verify(
             dataclasses.replace(plan, predicted=ev.to_predicted()), lowered, *args
         )
         assert report.row("collective-permute").status == "ok", report.to_text()
         # The prediction counts the whole stage's residuals re-created in one backward
-        # tick; XLA frees them sooner: conservative (measured +25% on this model).
+        # tick; XLA frees them sooner: conservative (measured: 4.5 MiB predicted, 3.6 MiB
+        # compiled, +24.7%).
         assert report.memory.predicted_bytes >= report.memory.compiled_bytes
     assert temps["full"] < temps["none"] / 2
 

@@ -17,8 +17,7 @@ import pytest
 import autopar
 from autopar import baselines
 from autopar.lower import lower_plan
-from autopar.verify import MEMORY_TOLERANCE, parse_collectives, verify
-from autopar.verify.report import state_bytes_per_device
+from autopar.verify import MEMORY_TOLERANCE, memory_row, parse_collectives, verify
 from cost_models import Cluster
 
 CLUSTER = Cluster.preset("dgx-a100-80gb")
@@ -169,15 +168,8 @@ def _compiled_memory(scan: bool, batch: int, schedule: str, m: int) -> tuple[flo
     ``memory_analysis`` compiles with CPU scratch counted
     (``autopar.lower.CPU_MEMORY_COMPILER_OPTIONS``)."""
     plan, lowered, args = _scored(scan, batch, schedule, m)
-    mem = lowered.memory_analysis(*args)
-    compiled = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        + mem.temp_size_in_bytes
-        - mem.alias_size_in_bytes
-    )
-    undonated = max(0.0, state_bytes_per_device(plan) - mem.alias_size_in_bytes)
-    return float(compiled), plan.predicted.memory_bytes_per_device + undonated
+    row = memory_row(lowered.memory_analysis(*args), plan)
+    return row.compiled_bytes, row.predicted_bytes
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["gpt_scan", "gpt_unrolled"])
