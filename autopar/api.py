@@ -104,13 +104,64 @@ def _plan_graph(
     fn: Callable | Graph, args: tuple, graph: Graph, cluster: Any, options: Any
 ) -> Plan:
     """Plan ``graph`` (``fn(*args)`` traced), microbatched if the options ask for it."""
+    from autopar.errors import InfeasiblePlanError
     from autopar.search import plan_graph
     from autopar.search.planner import microbatch_count
 
+    if _searches_pipelines(fn, graph, cluster, options):
+        from autopar.search.outer import plan_outer
+
+        return plan_outer(fn, args, graph, cluster, options)
     m = microbatch_count(graph, options)
     pipe = (options.mesh or {}).get("pipe", 1)
     if pipe > 1 and not isinstance(fn, Graph):
         return _plan_pipeline(fn, args, graph, cluster, options, m if m > 1 else 2 * pipe)
+    if options.mesh is None and not isinstance(fn, Graph) and _may_pipeline(graph, options):
+        # One node's intra-op search first; the memory levers (pipeline stages, stage
+        # remat, microbatches) only when nothing fits without them.
+        try:
+            return (
+                plan_graph(graph, cluster, options)
+                if m == 1
+                else _plan_accumulated(fn, args, graph, cluster, options, m)
+            )
+        except InfeasiblePlanError:
+            from autopar.search.outer import plan_outer
+
+            return plan_outer(fn, args, graph, cluster, options)
+    return _plan_accumulated(fn, args, graph, cluster, options, m)
+
+
+def _may_pipeline(graph: Graph, options: SearchOptions) -> bool:
+    """Whether the options leave pipelining open and the graph has layers to stage."""
+    return (
+        options.pipeline_stages != 1
+        and (options.axes is None or "pipe" in options.axes)
+        and options.zero_stage in (None, 0)
+        and len(graph.layers) >= 2
+        and any(gi.role == "batch" and gi.tensor.ndim for gi in graph.inputs)
+    )
+
+
+def _searches_pipelines(fn: Callable | Graph, graph: Graph, cluster: Any, options: Any) -> bool:
+    """The 4D outer loop (:func:`autopar.search.outer.plan_outer`) plans the step when the
+    mesh is open and the cluster spans nodes, or the options ask for a pipeline or its
+    levers (stages, a schedule, stage remat) without fixing the mesh."""
+    if options.mesh is not None or isinstance(fn, Graph) or not _may_pipeline(graph, options):
+        return False
+    asks = (
+        (options.pipeline_stages or 1) > 1
+        or options.schedule is not None
+        or (options.remat not in (None, "none"))
+    )
+    return asks or cluster.num_nodes > 1
+
+
+def _plan_accumulated(
+    fn: Callable | Graph, args: tuple, graph: Graph, cluster: Any, options: Any, m: int
+) -> Plan:
+    from autopar.search import plan_graph
+
     acc = None
     if m > 1:
         if isinstance(fn, Graph):
@@ -147,12 +198,10 @@ def _plan_pipeline(
     prediction is the winner's price; every candidate priced is in its shortlist."""
     from dataclasses import replace
 
-    import cost_models
-    from autopar import baselines
     from autopar.errors import InfeasiblePlanError
     from autopar.search import plan_graph
+    from autopar.search.outer import finish, price_pipeline
     from autopar.search.shortlist import candidate, rank
-    from autopar.search.stages import evaluate_pipeline, pipeline_activations
 
     schedule = options.schedule or "1f1b"
     v = options.virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
@@ -209,19 +258,9 @@ def _plan_pipeline(
         if priced and any(not bad for bad, *_ in priced):
             break
         for inner in inners:
-            plan = baselines.pipeline(
-                fn, options.mesh, *args, microbatches=m, schedule=schedule,
-                virtual_stages=v, inner=inner, stage_remat=remat,
-            )  # fmt: skip
-            if remat != "none":
-                plan = replace(plan, name=f"{plan.name} (remat {remat})")
-            # The stages' layouts pinned, so the program runs what is priced.
-            pins = pipeline_activations(graph, plan, cluster, acc)
-            plan = replace(plan, activations=pins)
-            ev = evaluate_pipeline(
-                graph, plan, cluster, acc, memory_limit_bytes=limit,
-                program=_program(graph, plan, acc),
-            )  # fmt: skip
+            plan, ev = price_pipeline(
+                fn, args, graph, cluster, options.mesh, m, schedule, v, remat, inner, acc, limit
+            )
             priced.append((not ev.fits, ev.step_time_s, len(priced), plan, ev))
     bad, _, index, plan, ev = min(priced, key=lambda t: t[:3])
     if bad:
@@ -236,14 +275,7 @@ def _plan_pipeline(
             "microbatches (1F1B), or a larger memory_limit_bytes."
         )
     others = [candidate(q.name, q.mesh, e) for *_, i, q, e in priced if i != index]
-    shortlist = rank(candidate(plan.name, plan.mesh, ev), others, limit)
-    return replace(
-        plan,
-        predicted=ev.to_predicted(),
-        cluster=cluster.to_json(),
-        cost_model_version=cost_models.COST_MODEL_VERSION,
-        shortlist=shortlist,
-    )
+    return finish(plan, ev, cluster, rank(candidate(plan.name, plan.mesh, ev), others, limit))
 
 
 def _finish_plan(p: Plan, graph: Graph) -> Plan:

@@ -447,6 +447,8 @@ def evaluate_pipeline(
             "p2p_s": sim_p2p,
             "p2p_from": "program" if prog is not None else "estimate",
             "peak_inflight": sim.peak_inflight,
+            # what a cut between the middle layers would send (the outer loop's screen)
+            "boundary_bytes": _boundary_bytes(micro, _halves(len(micro.layers)), bp, choice),
         },
     )
 
@@ -481,6 +483,11 @@ def _reads_stacked(bp: Any, op: Any, stacked_in: set[int]) -> bool:
     return lead.kind == "input" and lead.input is not None and lead.input.index in stacked_in
 
 
+def _halves(layers: int) -> tuple[tuple[int, int], ...]:
+    half = max(1, layers // 2)
+    return ((0, half), (half, layers)) if layers >= 2 else ((0, layers),)
+
+
 def _boundary_bytes(micro: Graph, stages: Sequence[tuple[int, int]], bp: Any, choice: Any) -> float:
     """Bytes per device of the activation entering the second stage's first layer: the
     largest value its nodes read from earlier work (a transformer's residual stream)."""
@@ -498,7 +505,12 @@ def _boundary_bytes(micro: Graph, stages: Sequence[tuple[int, int]], bp: Any, ch
         n = micro.nodes[nid]
         if n.phase != "forward":
             continue
-        for v, t in zip(n.inputs, n.in_tensors, strict=True):
+        carried = range(len(n.inputs))
+        if n.primitive == "scan":  # a scanned stack: the carry enters each layer
+            first_carry = int(n.params.get("num_consts", 0))
+            carried = range(first_carry, first_carry + int(n.params.get("num_carry", 0)))
+        for i in carried:
+            v, t = n.inputs[i], n.in_tensors[i]
             if v < 0 or v in inputs or producer.get(v) in inside or v not in producer:
                 continue
             ref = bp.value_refs.get(v)

@@ -1,0 +1,561 @@
+"""The 4D outer loop: pipeline stages x intra-op sub-mesh x microbatches, schedule, remat.
+
+:func:`plan_outer` chooses the whole plan when the mesh is left open: how many pipeline
+stages (``pipe``), which model-parallel group inside a node (``tensor``, ``seq``,
+``expert``), how many data-parallel replicas, how many microbatches, which schedule
+(1F1B or interleaved 1F1B and its ``virtual_stages``) and whether stages rematerialise.
+It runs in three steps, each priced by the planner's own model:
+
+1. **Profiles.** For every model-parallel group that fits in a node (the factorisations
+   of ``1 .. devices_per_node`` over the model axes the graph offers), the step on one
+   microbatch of one example per replica is solved by the intra-op search on that group
+   and priced as a one-stage pipeline (:func:`autopar.search.stages.evaluate_pipeline`):
+   a microbatch's forward and backward seconds, the update's, the state and activation
+   bytes, and a layer boundary's bytes. Repeated layers are solved once (the search ties
+   identical layers and a scanned stack to one body), so a profile of GPT-3 175B costs a
+   few seconds whatever the cluster.
+2. **Screen.** Every configuration (``pipe`` dividing the devices and at most the layer
+   count and dividing it; data replicas the rest; microbatch sizes dividing the per-replica batch; 1F1B,
+   interleaved 1F1B with 2 chunks when the layers divide; stage remat none or full) is
+   estimated from its group's profile in closed form (:func:`screen`): stages of ``1/p``
+   of the work, 1F1B's ``(m + (p - 1)/v)`` microbatch slots and ``2 (p - 1)`` boundary
+   sends, the data-parallel gradient all-reduce per microbatch (as the runtime runs it),
+   the update's share; memory, the stage's share of the state plus the in-flight
+   activations (only the stage inputs under remat). A microbatch of ``b`` examples costs
+   ``b`` times one example's seconds and bytes here; the finalists are priced at their
+   own size.
+3. **Finalists.** The best screened configurations that fit (at most
+   :data:`FINALISTS`, at most two per stage count and group) are planned and priced in
+   full: the intra-op search on their own sub-mesh at their own microbatch size, the
+   stages' layouts pinned, the runtime's program priced by ``evaluate_pipeline``. That
+   price is what the plan reports and what the finalists are compared by.
+
+The un-pipelined plan (the intra-op search over the whole cluster's meshes) competes
+with the finalists; every finalist priced is in the plan's shortlist, with why it lost.
+
+Example:
+    >>> p = autopar.plan(step, state, batch, cluster=Cluster.preset("dgx-a100-80gb", nodes=4))
+    >>> p.mesh, p.pipeline.schedule, p.pipeline.microbatches
+    ({'pipe': 4, 'data': 1, 'tensor': 8}, '1f1b', 16)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import cost_models
+from autopar.axes import AXES
+from autopar.errors import AccumulateError, AutoparError, InfeasiblePlanError, InvalidOptionError
+from autopar.options import SearchOptions
+from autopar.plan import PipelinePlan, Plan
+from autopar.search.costs import CostContext
+from autopar.search.meshes import candidate_meshes, offered_axes
+from autopar.trace.graph import Graph
+
+FINALISTS = 5  # configurations priced in full (the shortlist needs at least five)
+_PER_SHAPE = 2  # at most this many finalists share a stage count and model group
+_TIGHTEN = 3  # inner solves per finalist, each under a bound tightened by the excess
+_SCREEN_SLACK = 1.10  # a screened footprint up to this over the bound may still fit
+_MODEL_SPLITS = ("model", "sequence", "experts")
+
+__all__ = [
+    "FINALISTS",
+    "PipelineConfig",
+    "Profile",
+    "Screened",
+    "configurations",
+    "plan_outer",
+    "price_pipeline",
+    "screen",
+]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """One plan shape the outer loop considers.
+
+    Attributes:
+        pipe: pipeline stages (1: no pipeline; the step is microbatched when
+            ``microbatches > 1``).
+        model: the model-parallel group inside a stage, axis -> size (``{}``: none).
+        data: data-parallel replicas.
+        microbatches: microbatches per step.
+        microbatch_size: examples per replica per microbatch.
+        schedule: ``"1f1b"`` or ``"interleaved-1f1b"`` (``"gpipe"`` when given).
+        virtual_stages: chunks per device (interleaved only).
+        remat: stage rematerialisation, ``"none"`` or ``"full"``.
+
+    Example:
+        >>> c = PipelineConfig(4, {"tensor": 8}, 2, 16, 1, "1f1b", 1, "full")
+        >>> c.mesh
+        {'pipe': 4, 'data': 2, 'tensor': 8}
+        >>> c.label
+        'pipe 4 x data 2 x tensor 8, 1f1b, 16 microbatches of 1, remat full'
+    """
+
+    pipe: int
+    model: Mapping[str, int]
+    data: int
+    microbatches: int
+    microbatch_size: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    remat: str = "none"
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        out = {"pipe": self.pipe} if self.pipe > 1 else {}
+        if self.data > 1 or not self.model:
+            out["data"] = self.data
+        return {**out, **dict(self.model)}
+
+    @property
+    def sub_mesh(self) -> dict[str, int]:
+        """The mesh inside a stage."""
+        return {a: n for a, n in self.mesh.items() if a != "pipe"}
+
+    @property
+    def label(self) -> str:
+        mesh = " x ".join(f"{a} {n}" for a, n in self.mesh.items())
+        micro = f"{self.microbatches} microbatches of {self.microbatch_size}"
+        if self.pipe == 1:
+            return f"{mesh}, {micro}" if self.microbatches > 1 else mesh
+        sched = self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return f"{mesh}, {sched}, {micro}, remat {self.remat}"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One microbatch of ``microbatch_size`` examples on one model-parallel group, as the
+    planner prices it (whole model, per device of the group).
+
+    Attributes:
+        model: the group (axis -> size; ``{}``: one device).
+        microbatch_size: examples in the profiled microbatch.
+        forward_s: a microbatch's forward seconds.
+        backward_s: its backward seconds.
+        update_s: the optimizer update's seconds (once per step).
+        state_bytes: parameters, gradient accumulators and optimizer state.
+        grad_bytes: the gradients a data-parallel replica all-reduces.
+        activation_bytes: what one microbatch keeps for its backward.
+        boundary_bytes: one layer's input (what a stage sends its neighbour).
+    """
+
+    model: Mapping[str, int]
+    microbatch_size: int
+    forward_s: float
+    backward_s: float
+    update_s: float
+    state_bytes: float
+    grad_bytes: float
+    activation_bytes: float
+    boundary_bytes: float
+
+
+@dataclass(frozen=True)
+class Screened:
+    """A configuration's closed-form estimate (:func:`screen`)."""
+
+    config: PipelineConfig
+    step_time_s: float
+    memory_bytes: float
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def batch_size(graph: Graph) -> int:
+    """The step's global batch (the largest leading dim of its batch inputs)."""
+    sizes = [gi.tensor.shape[0] for gi in graph.inputs if gi.role == "batch" and gi.tensor.ndim]
+    if not sizes:
+        raise InvalidOptionError(
+            "the step has no batch input, so it cannot be split into microbatches or "
+            "pipelined; fix the mesh (SearchOptions(mesh=...)) without 'pipe'."
+        )
+    return max(sizes)
+
+
+def model_groups(graph: Graph, cluster: Any, options: SearchOptions) -> list[dict[str, int]]:
+    """The model-parallel groups a stage may use: factorisations of each divisor of the
+    node's device count over the model axes the graph offers (``{}``: none).
+
+    Example:
+        >>> model_groups(graph, Cluster.preset("dgx-a100-80gb", nodes=2), SearchOptions())
+        [{}, {'tensor': 2}, {'tensor': 4}, {'tensor': 8}]
+    """
+    offered = offered_axes(graph, cluster.num_devices, options)
+    model_axes = tuple(a for a in offered if AXES[a].splits in _MODEL_SPLITS)
+    out: list[dict[str, int]] = [{}]
+    if not model_axes:
+        return out
+    for k in _divisors(min(cluster.devices_per_node, cluster.num_devices))[1:]:
+        out += candidate_meshes(k, SearchOptions(axes=model_axes), graph)
+    return out
+
+
+def configurations(
+    graph: Graph, cluster: Any, options: SearchOptions, groups: Iterable[Mapping[str, int]]
+) -> list[PipelineConfig]:
+    """Every configuration the options leave open (see the module docstring), the
+    un-microbatched ``pipe = 1`` ones excepted (the intra-op search prices those).
+
+    Example:
+        >>> cs = configurations(graph, Cluster.preset("dgx-a100-80gb"), SearchOptions(), [{}])
+        >>> sorted({c.pipe for c in cs})
+        [1, 2, 4]
+    """
+    n, layers = cluster.num_devices, len(graph.layers)
+    batch = batch_size(graph)
+    fixed_pipe = options.pipeline_stages
+    schedules = [options.schedule] if options.schedule else ["1f1b", "interleaved-1f1b"]
+    remats = [options.remat] if options.remat else ["none", "full"]
+    out: list[PipelineConfig] = []
+    for model in groups:
+        k = math.prod(model.values()) if model else 1
+        if n % k:
+            continue
+        for p in _divisors(n // k):
+            if layers % p or (fixed_pipe is not None and p != fixed_pipe):
+                continue
+            if p > 1 and options.zero_stage not in (None, 0):
+                continue  # ZeRO over data is not run inside pipeline stages
+            d = n // (k * p)
+            if batch % d:
+                continue
+            for b in _divisors(batch // d):
+                m = batch // (d * b)
+                if options.microbatch_size not in (None, b):
+                    continue
+                if options.microbatches not in (None, m):
+                    continue
+                if p == 1:
+                    if m > 1 and options.remat in (None, "none") and not options.schedule:
+                        out.append(PipelineConfig(1, dict(model), d, m, b))
+                    continue
+                if m < p:
+                    continue  # fewer microbatches than stages leaves a stage idle
+                for sched in schedules:
+                    v = 1
+                    if sched == "interleaved-1f1b":
+                        v = options.virtual_stages or 2
+                        if layers % (p * v) or m % p:
+                            continue
+                    elif options.virtual_stages not in (None, 1):
+                        continue
+                    for remat in remats:
+                        out.append(PipelineConfig(p, dict(model), d, m, b, sched, v, remat))
+    return out
+
+
+def screen(config: PipelineConfig, prof: Profile, cluster: Any) -> Screened:
+    """A configuration's step time and peak memory per device from its group's profile.
+
+    Example: 4 stages, 8 microbatches of 1, one example's forward 1 s, backward 2 s.
+
+        >>> prof = Profile({}, 1, 1.0, 2.0, 0.0, 4e9, 0.0, 1e9, 0.0)
+        >>> s = screen(PipelineConfig(4, {}, 1, 8, 1), prof, cluster)
+        >>> s.step_time_s, s.memory_bytes   # (8 + 3) slots of 3/4 s; 1e9 + 4 x 0.25e9
+        (8.25, 2000000000.0)
+    """
+    c = config
+    p, v, m = c.pipe, c.virtual_stages, c.microbatches
+    scale = c.microbatch_size / prof.microbatch_size
+    fwd, bwd = prof.forward_s * scale / p, prof.backward_s * scale / p
+    if c.remat == "full":
+        bwd += fwd
+    ctx = CostContext(cluster, c.mesh)
+    boundary = prof.boundary_bytes * scale
+    p2p = ctx.collective("p2p", boundary, ("pipe",)).time_s if p > 1 and boundary else 0.0
+    makespan = (m + (p - 1) / v) * (fwd + bwd) + 2 * (p - 1) * p2p
+    grads = 0.0
+    if c.data > 1 and prof.grad_bytes:
+        # The runtime reduces a microbatch's gradients over data before accumulating.
+        eta = float(cluster.overlap_efficiency)
+        ar = ctx.collective("all-reduce", prof.grad_bytes / p, ("data",)).time_s
+        grads = m * ar * (1 - eta)
+    step = makespan + grads + prof.update_s / p
+    act = prof.activation_bytes * scale / p  # one microbatch's, on one stage
+    if p == 1:
+        inflight = 1.0
+    elif c.schedule == "gpipe":
+        inflight = float(m)
+    elif v > 1:
+        inflight = min(m * v, 2 * (p - 1) + (v - 1) * p + 1) / v
+    else:
+        inflight = float(min(p, m))
+    held = boundary * inflight * v + act if c.remat == "full" else act * inflight
+    return Screened(config, step, prof.state_bytes / p + held)
+
+
+def _inner_options(options: SearchOptions, mesh: Mapping[str, int], m: int, limit: float):
+    return replace(
+        options, mesh=dict(mesh), axes=None, pipeline_stages=None, schedule=None,
+        virtual_stages=None, remat=None, zero_stage=None, microbatch_size=None,
+        microbatches=m, memory_limit_bytes=limit,
+    )  # fmt: skip
+
+
+def profile(
+    graph: Graph, cluster: Any, options: SearchOptions, model: Mapping[str, int], acc: Any
+) -> Profile:
+    """Solve and price one microbatch (``acc``) on the group ``model`` (see the module
+    docstring)."""
+    from autopar.search.planner import plan_graph
+    from autopar.search.stages import evaluate_pipeline
+
+    m = acc.microbatches
+    inner = plan_graph(
+        graph, cluster, _inner_options(options, model or {"data": 1}, m, _UNBOUNDED),
+        accumulation=acc,
+    )  # fmt: skip
+    one = replace(inner, pipeline=PipelinePlan(((0, len(graph.layers)),), "1f1b", m))
+    ev = evaluate_pipeline(graph, one, cluster, acc)
+    bd = dict(ev.memory_breakdown)
+    return Profile(
+        model=dict(model),
+        microbatch_size=batch_size(acc.micro),
+        forward_s=float(ev.extra["stage_forward_s"][0]),
+        backward_s=float(ev.extra["stage_backward_s"][0]),
+        update_s=float(ev.extra.get("update_s", 0.0)),
+        state_bytes=sum(b for k, b in bd.items() if k != "activations"),
+        grad_bytes=float(bd.get("grads", 0.0)),
+        activation_bytes=float(bd.get("activations", 0.0)),
+        boundary_bytes=float(ev.extra.get("boundary_bytes", 0.0)),
+    )
+
+
+_UNBOUNDED = float(1 << 62)
+
+
+def price_pipeline(
+    fn: Callable, args: tuple, graph: Graph, cluster: Any, mesh: Mapping[str, int],
+    m: int, schedule: str, v: int, remat: str, inner: Plan | None, acc: Any, limit: float,
+) -> tuple[Plan, Any]:  # fmt: skip
+    """One pipeline plan and its price: the runtime's layout (``baselines.pipeline`` with
+    ``inner`` inside the stages), its stages' layouts pinned, priced by
+    :func:`autopar.search.stages.evaluate_pipeline` from the program it lowers to."""
+    from autopar import baselines
+    from autopar.lower.program import pipeline_program
+    from autopar.search.stages import evaluate_pipeline, pipeline_activations
+
+    plan = baselines.pipeline(
+        fn, dict(mesh), *args, microbatches=m, schedule=schedule, virtual_stages=v,
+        inner=inner, stage_remat=remat,
+    )  # fmt: skip
+    if remat != "none":
+        plan = replace(plan, name=f"{plan.name} (remat {remat})")
+    # The stages' layouts pinned, so the program runs what is priced.
+    plan = replace(plan, activations=pipeline_activations(graph, plan, cluster, acc))
+    ev = evaluate_pipeline(
+        graph, plan, cluster, acc, memory_limit_bytes=limit,
+        program=pipeline_program(graph, plan, acc),
+    )  # fmt: skip
+    return plan, ev
+
+
+def finish(plan: Plan, ev: Any, cluster: Any, shortlist: tuple) -> Plan:
+    """``plan`` carrying its price ``ev`` and the shortlist it won."""
+    return replace(
+        plan,
+        predicted=ev.to_predicted(),
+        cluster=cluster.to_json(),
+        cost_model_version=cost_models.COST_MODEL_VERSION,
+        shortlist=shortlist,
+    )
+
+
+def _finalists(screened: list[Screened], limit: float) -> list[Screened]:
+    """The fastest screened configurations that fit (by the screen, with slack), at most
+    :data:`_PER_SHAPE` per stage count and model group; when none fits, the smallest."""
+    fits = [s for s in screened if s.memory_bytes <= limit * _SCREEN_SLACK]
+    pool = sorted(fits, key=lambda s: s.step_time_s) or sorted(
+        screened, key=lambda s: s.memory_bytes
+    )
+    out: list[Screened] = []
+    per: dict[tuple, int] = {}
+    for s in pool:
+        shape = (s.config.pipe, tuple(sorted(s.config.model.items())))
+        if per.get(shape, 0) >= _PER_SHAPE:
+            continue
+        per[shape] = per.get(shape, 0) + 1
+        out.append(s)
+        if len(out) == FINALISTS:
+            break
+    return out
+
+
+@dataclass
+class _Priced:
+    label: str
+    plan: Plan | None
+    ev: Any
+    candidate: Any
+    lever: str = ""
+
+
+def plan_outer(
+    fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions
+) -> Plan:
+    """The whole plan for ``fn(*args)`` (traced: ``graph``) on ``cluster``: pipeline or
+    not, the group inside the stages, microbatches, schedule, remat (see the module
+    docstring).
+
+    Raises:
+        InfeasiblePlanError: nothing priced fits the memory bound; the message names the
+            smallest footprint, the bound and the configuration (its levers) that came
+            closest.
+    """
+    from autopar.progress import SearchProgress
+    from autopar.search.planner import plan_graph
+    from autopar.search.shortlist import rank
+
+    limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
+    batch = batch_size(graph)
+    groups = model_groups(graph, cluster, options)
+    priced: list[_Priced] = []
+    plain_error: AutoparError | None = None
+    with SearchProgress(len(groups) + FINALISTS + 1, "plan") as bar:
+        if options.pipeline_stages in (None, 1) and options.microbatches in (None, 1):
+            plain = replace(
+                options, pipeline_stages=None, schedule=None, virtual_stages=None,
+                remat=None, microbatch_size=None,
+            )  # fmt: skip
+            try:
+                p0 = plan_graph(graph, cluster, plain)
+                first = replace(p0.shortlist[0], verdict="")
+                priced.append(_Priced(first.label, p0, p0.predicted, first))
+                priced += [_Priced(c.label, None, None, c) for c in p0.shortlist[1:]]
+            except InfeasiblePlanError as e:
+                plain_error = e
+        bar.advance("intra-op search over the whole cluster")
+        acc1 = _profile_accumulation(fn, args, graph, batch)
+        profiles = {}
+        for g in groups:
+            profiles[tuple(sorted(g.items()))] = profile(graph, cluster, options, g, acc1)
+            bar.advance(f"profiled {g or 'one device'}")
+        # A group's profile is solved without a memory bound (fastest layouts); what it
+        # could hold at best is the whole state split over the group, and the finalists'
+        # full pricing tightens their stage layouts towards it (_price).
+        whole = profiles[()].state_bytes
+        for key, prof in profiles.items():
+            k = math.prod(n for _, n in key) if key else 1
+            profiles[key] = replace(prof, state_bytes=min(prof.state_bytes, whole / k))
+        screened = [
+            screen(c, profiles[tuple(sorted(c.model.items()))], cluster)
+            for c in configurations(graph, cluster, options, groups)
+        ]
+        for s in _finalists(screened, limit):
+            priced.append(_price(fn, args, graph, cluster, options, s.config, limit))
+            bar.advance(f"priced {s.config.label}")
+    fitting = [
+        q for q in priced if q.plan is not None and q.candidate.memory_bytes_per_device <= limit
+    ]
+    if not fitting:
+        raise _infeasible(priced, limit, plain_error)
+    best = min(fitting, key=lambda q: q.candidate.step_time_s)
+    others = [q.candidate for q in priced if q is not best]
+    short = rank(best.candidate, others, limit)
+    if best.ev is best.plan.predicted:
+        return replace(best.plan, shortlist=short)
+    return finish(best.plan, best.ev, cluster, short)
+
+
+def _profile_accumulation(fn: Callable, args: tuple, graph: Graph, batch: int) -> Any:
+    """The step on the smallest microbatch it splits into: 2 examples when the batch is
+    even (at 1, XLA-level shapes lose the batch dim's reductions), else 1."""
+    from autopar.lower.split import plan_accumulation
+
+    for b in (2, 1) if batch % 2 == 0 else (1,):
+        try:
+            return plan_accumulation(fn, args, batch // b, full=graph)
+        except AccumulateError:
+            if b == 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _price(
+    fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions,
+    c: PipelineConfig, limit: float,
+) -> _Priced:  # fmt: skip
+    """Plan and price one finalist in full."""
+    from autopar.lower.split import plan_accumulation
+    from autopar.search.planner import plan_graph
+    from autopar.search.shortlist import candidate
+
+    acc = plan_accumulation(fn, args, c.microbatches, full=graph)
+    if c.pipe == 1:
+        try:
+            q = plan_graph(
+                graph,
+                cluster,
+                _inner_options(options, c.sub_mesh, c.microbatches, limit),
+                accumulation=acc,
+            )
+        except InfeasiblePlanError as e:
+            return _Priced(c.label, None, None, _unfit(c, str(e)), "microbatches")
+        return _Priced(c.label, q, q.predicted, replace(q.shortlist[0], label=c.label, verdict=""))
+
+    def priced(inner: Plan | None) -> tuple[Plan, Any]:
+        return price_pipeline(
+            fn, args, graph, cluster, c.mesh, c.microbatches, c.schedule, c.virtual_stages,
+            c.remat, inner, acc, limit,
+        )  # fmt: skip
+
+    if not c.model:
+        plan, ev = priced(None)  # data parallel inside the stages
+        return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev), c.remat)
+    # The stages' layouts: the intra-op search on the sub-mesh for the whole step, under
+    # the bound times pipe (a stage holds about 1/pipe of it); while the stage priced does
+    # not fit, again under a bound tightened by its excess (at most _TIGHTEN solves).
+    bound = limit * c.pipe
+    best: tuple[Plan, Any] | None = None
+    for _ in range(_TIGHTEN):
+        try:
+            inner = plan_graph(
+                graph, cluster, _inner_options(options, c.sub_mesh, c.microbatches, bound),
+                accumulation=acc,
+            )  # fmt: skip
+        except InfeasiblePlanError:
+            break
+        plan, ev = priced(inner)
+        if best is None or (ev.fits, -ev.step_time_s) > (best[1].fits, -best[1].step_time_s):
+            best = (plan, ev)
+        if ev.fits:
+            break
+        bound *= 0.9 * limit / ev.memory_bytes_per_device
+    if best is None:
+        return _Priced(c.label, None, None, _unfit(c, "the stages' layouts do not fit"), c.remat)
+    plan, ev = best
+    return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev), c.remat)
+
+
+def _unfit(c: PipelineConfig, why: str):
+    from autopar.search.shortlist import unsolved
+
+    return unsolved(c.label, c.mesh, why.split(":")[0])
+
+
+def _infeasible(
+    priced: list[_Priced], limit: float, plain: AutoparError | None
+) -> InfeasiblePlanError:
+    """Nothing fits: the smallest footprint priced, the bound, and the closest levers."""
+    sized = [q for q in priced if q.candidate.memory_bytes_per_device is not None]
+    if not sized:
+        return InfeasiblePlanError(
+            f"no plan fits the memory bound of {limit:.4g} bytes per device and none could be "
+            f"priced{f' ({plain})' if plain else ''}; use more devices or a larger memory_limit_bytes."
+        )
+    q = min(sized, key=lambda q: q.candidate.memory_bytes_per_device)
+    need = q.candidate.memory_bytes_per_device
+    return InfeasiblePlanError(
+        f"no plan fits the memory bound of {limit:.4g} bytes ({limit / 2**30:.3f} GiB) per "
+        f"device: the smallest footprint found is {need:.4g} bytes ({need / 2**30:.3f} GiB, "
+        f"{need / limit - 1:+.1%}, {need - limit:.4g} bytes over), with {q.label} (the levers "
+        "tried: pipeline stages, stage remat none/full, microbatches, the model-parallel group "
+        "inside a node). Use more devices, a smaller batch, or a larger memory_limit_bytes."
+    )
