@@ -20,7 +20,31 @@ class TraceFunctionError(AutoparError):
 
 
 class InfeasiblePlanError(AutoparError):
-    """No plan fits the constraints; the message says which bound failed and by how much."""
+    """No plan fits the constraints; the message says which bound failed and by how much.
+
+    Attributes:
+        smallest_bytes: the smallest per-device footprint the search found (if any).
+        bound_bytes: the per-device bound it had to fit.
+        closest: the plan that came closest, in words (its mesh and levers).
+
+    Example:
+        >>> e = InfeasiblePlanError("too big", smallest_bytes=9e10, bound_bytes=8e10)
+        >>> e.smallest_bytes / e.bound_bytes
+        1.125
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        smallest_bytes: float | None = None,
+        bound_bytes: float | None = None,
+        closest: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes
+        self.bound_bytes = bound_bytes
+        self.closest = closest
 
 
 class SolveShardingError(AutoparError):

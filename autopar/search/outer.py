@@ -444,9 +444,13 @@ def plan_outer(
         for key, prof in profiles.items():
             k = math.prod(n for _, n in key) if key else 1
             profiles[key] = replace(prof, state_bytes=min(prof.state_bytes, whole / k))
+        # A microbatch smaller than the profiled one may not split (at one example,
+        # shapes lose the batch dim's reductions): those are left out.
+        smallest = batch_size(acc1.micro)
         screened = [
             screen(c, profiles[tuple(sorted(c.model.items()))], cluster)
             for c in configurations(graph, cluster, options, groups)
+            if c.data * c.microbatch_size >= smallest
         ]
         for s in _finalists(screened, limit):
             priced.append(_price(fn, args, graph, cluster, options, s.config, limit))
@@ -487,7 +491,10 @@ def _price(
     from autopar.search.planner import plan_graph
     from autopar.search.shortlist import candidate
 
-    acc = plan_accumulation(fn, args, c.microbatches, full=graph)
+    try:
+        acc = plan_accumulation(fn, args, c.microbatches, full=graph)
+    except AccumulateError as e:
+        return _Priced(c.label, None, None, _unfit(c, str(e)), "microbatches")
     if c.pipe == 1:
         try:
             q = plan_graph(
@@ -557,5 +564,8 @@ def _infeasible(
         f"device: the smallest footprint found is {need:.4g} bytes ({need / 2**30:.3f} GiB, "
         f"{need / limit - 1:+.1%}, {need - limit:.4g} bytes over), with {q.label} (the levers "
         "tried: pipeline stages, stage remat none/full, microbatches, the model-parallel group "
-        "inside a node). Use more devices, a smaller batch, or a larger memory_limit_bytes."
+        "inside a node). Use more devices, a smaller batch, or a larger memory_limit_bytes.",
+        smallest_bytes=need,
+        bound_bytes=limit,
+        closest=q.label,
     )

@@ -220,7 +220,10 @@ def plan_graph(
                 f"per device: the smallest footprint found needs {low:.4g} bytes "
                 f"({low / 2**30:.3f} GiB, on mesh {mesh}), {low - limit:.4g} bytes "
                 f"({(low / limit - 1) * 100:.1f}%) over. Use more devices, a larger "
-                "memory_limit_bytes, or a smaller batch."
+                "memory_limit_bytes, or a smaller batch.",
+                smallest_bytes=low,
+                bound_bytes=limit,
+                closest=_mesh_str(mesh),
             )
         # Nothing proved infeasible: the solver ran out of time before finding any plan.
         raise SolveShardingError(
