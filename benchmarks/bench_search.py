@@ -12,10 +12,15 @@ Runs, on one 8-GPU DGX A100 node with the mesh {"data": 2, "tensor": 4}:
    the scan body is solved once; unrolled identical layers are tied to one representative.
 3. ``autopar demo``'s planning problem: the small GPT with the mesh left open (the outer
    loop over meshes), timed end to end.
+4. Small models stay fast: ``autopar.plan(step, *args, cluster=dgx-a100-80gb)`` with
+   nothing fixed (every mesh of 8 GPUs searched), each in a fresh process, the call
+   timed (tracing, the search and the solvers' lazy imports): the tiny GPT and an MLP
+   of under 1M parameters (target: under 3 s) and GPT-2 small, batch 8 (under 10 s).
 
 Usage:
     python benchmarks/bench_search.py            # everything (a few minutes on 2 cores)
-    python benchmarks/bench_search.py --quick    # scan models and the demo only
+    python benchmarks/bench_search.py --quick    # scan models, the demo and the small models
+    python benchmarks/bench_search.py --small    # the small models only
 
 CPU wall times on simulated devices say nothing about the plans' speed; they measure how
 long the search itself takes.
@@ -24,7 +29,10 @@ long the search itself takes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -131,6 +139,74 @@ def run_demo() -> dict:
     }
 
 
+# name -> (zoo module, config, batch); the time targets of issue 13.
+SMALL_MODELS: dict[str, tuple[str, str, int]] = {
+    "gpt-tiny": ("gpt", "GPTConfig.preset('tiny')", 8),
+    "mlp-525k": ("mlp", "MLPConfig(d_in=256, hidden=512, d_out=256, layers=3)", 32),
+    "gpt2-small": ("gpt", "GPTConfig.preset('gpt2-small')", 8),
+}
+SMALL_TARGET_S = {"gpt-tiny": 3.0, "mlp-525k": 3.0, "gpt2-small": 10.0}
+
+
+def run_small_one(name: str) -> dict:
+    """One small model planned with the mesh open; call in a fresh process."""
+    import importlib
+
+    import jax
+
+    t0 = time.perf_counter()
+    import autopar
+    from cost_models import Cluster
+
+    t_import = time.perf_counter() - t0
+    module, config, batch = SMALL_MODELS[name]
+    zoo = importlib.import_module(f"benchmarks.models.{module}")
+    cfg = eval(config, vars(zoo))  # noqa: S307 - a literal from SMALL_MODELS
+    step, args = zoo.make_train_step(cfg, batch)
+    params = sum(x.size for x in jax.tree_util.tree_leaves(args[0]["params"]))
+    cluster = Cluster.preset("dgx-a100-80gb")
+    t0 = time.perf_counter()
+    plan = autopar.plan(step, *args, cluster=cluster)  # traces, then searches
+    return {
+        "model": name,
+        "params": int(params),
+        "import_s": t_import,
+        "plan_s": time.perf_counter() - t0,
+        "mesh": dict(plan.mesh),
+        "meshes": len(plan.shortlist),
+        "step_ms": plan.predicted.step_time_s * 1e3,
+    }
+
+
+def run_small() -> list[dict]:
+    """Every :data:`SMALL_MODELS` entry, each in a fresh process."""
+    rows = []
+    for name in SMALL_MODELS:
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_search", "--small-one", name],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    return rows
+
+
+def _print_small(rows: list[dict]) -> None:
+    print(
+        "Small models stay fast: autopar.plan (trace + search of every mesh of 8 GPUs, "
+        "DGX A100), a fresh process each; `import autopar` timed apart"
+    )
+    print("model | params | import autopar s | plan s | target s | meshes | mesh | step ms")
+    for r in rows:
+        target = SMALL_TARGET_S[r["model"]]
+        ok = "ok" if r["plan_s"] < target else "OVER"
+        print(
+            f"{r['model']} | {r['params']:,} | {r['import_s']:.2f} | {r['plan_s']:.2f} | "
+            f"< {target:g} {ok} | {r['meshes']} | {r['mesh']} | {r['step_ms']:.4f}"
+        )
+
+
 def _print(rows: list[dict]) -> None:
     cols = [
         ("layers", "layers", "{}"),
@@ -160,7 +236,15 @@ def _print(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="scan models and the demo only")
+    parser.add_argument("--small", action="store_true", help="the small models only")
+    parser.add_argument("--small-one", help=argparse.SUPPRESS)  # one model, JSON on stdout
     args = parser.parse_args()
+    if args.small_one:
+        print(json.dumps(run_small_one(args.small_one)))
+        return
+    if args.small:
+        _print_small(run_small())
+        return
     mesh = {"data": 2, "tensor": 4}
     rows = [run(12, True, mesh)]
     if not args.quick:
@@ -187,6 +271,7 @@ def main() -> None:
     )
     for mesh_, status, step_ms in demo["meshes"]:
         print(f"  {mesh_}: {status}, step {step_ms} ms")
+    _print_small(run_small())
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from autopar.search.sharding import (
     MeshShape,
     Sharding,
     reshard_moves,
-    reshard_steps,
     shards,
 )
 
@@ -59,6 +58,8 @@ class CostContext:
         self._coll: dict[tuple, float] = {}
         self._comp: dict[tuple, float] = {}
         self._reshard: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
+        self._routes: dict[tuple, tuple] = {}
+        self._step_moves: dict[tuple, tuple] = {}
 
     # -- primitives -------------------------------------------------------------------
     def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> Collective:
@@ -126,7 +127,7 @@ class CostContext:
         hit = self._reshard.get(key)
         if hit is not None:
             return hit
-        steps = reshard_steps(shape, src, dst, self.mesh)
+        steps = self._steps(shape, src, dst)
         if len(steps) > 1:
             # Priced as lowered: one primitive step after another (an axis that stays
             # behind while another leaves its dim is reordered in the first step even if
@@ -142,27 +143,90 @@ class CostContext:
         self._reshard[key] = out
         return out
 
+    def _steps(self, shape: Sequence[int], src: Sharding, dst: Sharding) -> tuple[Sharding, ...]:
+        """:func:`~autopar.search.sharding.reshard_steps`, from a route cached per layout
+        pair: the intermediate layouts depend on the shape only through divisibility."""
+        route = self._routes.get((src, dst))
+        if route is None:
+            route = self._routes[(src, dst)] = _route(src, dst, self.mesh)
+        mid, after_mid, after_src = route
+        cur = src
+        steps: list[Sharding] = []
+        if mid is not None and self._fits(shape, mid):
+            steps.append(mid)
+            cur = mid
+        gathered = after_mid if cur is mid else after_src
+        if gathered is not None and self._fits(shape, gathered):
+            steps.append(gathered)
+        steps.append(dst)
+        return tuple(steps)
+
+    def _fits(self, shape: Sequence[int], spec: Sharding) -> bool:
+        return all(n % self.mesh.prod(dim) == 0 for n, dim in zip(shape, spec, strict=True))
+
     def _reshard_step(
         self, shape: Sequence[int], dtype: str, src: Sharding, dst: Sharding
     ) -> list[Collective]:
-        a2a, gather, reorder = reshard_moves(shape, src, dst, self.mesh)
+        step = self._step_moves.get((src, dst))
+        if step is None:
+            a2a, gather, reorder = reshard_moves(shape, src, dst, self.mesh)
+            swapped = _swapped_axes(src, dst)
+            p2p_axes = self.mesh.order(set(reorder) | set(swapped)) if reorder or swapped else ()
+            step = (
+                a2a,
+                gather,
+                bool(reorder),
+                p2p_axes,
+                shards(src, self.mesh),
+                shards(dst, self.mesh),
+                self.mesh.prod(gather),
+            )
+            self._step_moves[(src, dst)] = step
+        a2a, gather, reorder, p2p_axes, src_shards, dst_shards, gather_size = step
         total = math.prod(shape) * itemsize(dtype)
-        per_device = total / shards(src, self.mesh)
+        per_device = total / src_shards
         colls: list[Collective] = []
         if a2a:
             colls.append(self.collective("all-to-all", per_device, a2a))
-        swapped = _swapped_axes(src, dst)
-        if reorder or swapped:
+        if p2p_axes:
             # Axes that keep their dim behind other outer axes, or trade places, change
             # the device order of the tiles: XLA sends each block to its new owner with a
             # collective-permute (measured: d0,e1 -> e0,d1 is an all-to-all plus a
             # permute; e+d,- -> d,- is a permute of the buffer plus a gather of e).
-            nbytes = per_device if reorder else total / shards(dst, self.mesh)
-            p2p = self.collective("p2p", nbytes, self.mesh.order(set(reorder) | set(swapped)))
+            nbytes = per_device if reorder else total / dst_shards
+            p2p = self.collective("p2p", nbytes, p2p_axes)
             colls.append(Collective("collective-permute", p2p.axes, p2p.nbytes, p2p.time_s))
         if gather:
-            colls.append(self.collective("all-gather", per_device * self.mesh.prod(gather), gather))
+            colls.append(self.collective("all-gather", per_device * gather_size, gather))
         return colls
+
+
+def _route(
+    src: Sharding, dst: Sharding, mesh: MeshShape
+) -> tuple[Sharding | None, Sharding | None, Sharding | None]:
+    """The shape-independent part of :func:`~autopar.search.sharding.reshard_steps`: the
+    all-to-all step's layout (``None``: no all-to-all, or it would already be ``dst``),
+    then the gather step's layout after that step and straight from ``src`` (``None``:
+    no such step). A step whose layout does not divide the shape is skipped."""
+    a2a, gather, _ = reshard_moves((), src, dst, mesh)
+    mid = None
+    if a2a:
+        moved = set(a2a)
+        mid = tuple(
+            tuple(a for a in s if a not in moved) + tuple(a for a in d if a in moved)
+            for s, d in zip(src, dst, strict=True)
+        )
+        if mid == dst:
+            mid = None
+
+    def gathered(cur: Sharding | None) -> Sharding | None:
+        if cur is None or not gather:
+            return None
+        left = set(gather)
+        out = tuple(tuple(a for a in dim if a not in left) for dim in cur)
+        return None if out == dst or out == cur else out
+
+    return mid, gathered(mid), gathered(src)
 
 
 def _swapped_axes(src: Sharding, dst: Sharding) -> tuple[str, ...]:

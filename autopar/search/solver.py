@@ -69,6 +69,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -282,9 +283,16 @@ def _dead_end_elimination(
             m[sorted(ss)] = 1.0
             e = extra.setdefault(r, np.zeros((len(m), len(m))))
             e += cost * (1.0 - m)[:, None] * m[None, :]
+    # Only a node whose own or neighbours' survivors changed since it was last checked can
+    # lose a strategy: the others are skipped (the eliminations are the same).
+    neighbours: dict[int, set[int]] = {r: {other for *_, other, _ in adj[r]} for r in red.reps}
+    dirty = set(red.reps)
     for _ in range(_DEE_ROUNDS):
         changed = False
         for r in red.reps:
+            if r not in dirty:
+                continue
+            dirty.discard(r)
             al = np.flatnonzero(alive[r])
             if len(al) <= 1:
                 continue
@@ -311,6 +319,8 @@ def _dead_end_elimination(
             if not keep.all():
                 alive[r][al[~keep]] = False
                 changed = True
+                dirty.add(r)
+                dirty.update(neighbours[r])
         if not changed:
             break
     return alive
@@ -367,7 +377,26 @@ def _compact(
     return _Compact(red, keep, unary, offset, edges, mem, shared, stats)
 
 
+# Presolved problems by id (with a weak reference, so an entry goes with its problem): the
+# outer loop asks for a mesh's lower bound and then solves it, both from one presolve.
+_PRESOLVED: dict[int, tuple[weakref.ref, dict[tuple[str, bool], _Compact]]] = {}
+
+
 def _presolve(problem: ShardingProblem, minimize: str, eliminate: bool = True) -> _Compact:
+    """The presolved problem (memoised per problem object: problems are immutable and
+    nothing downstream changes a :class:`_Compact`)."""
+    key = id(problem)
+    entry = _PRESOLVED.get(key)
+    if entry is None or entry[0]() is not problem:
+        ref = weakref.ref(problem, lambda _, key=key: _PRESOLVED.pop(key, None))
+        entry = _PRESOLVED[key] = (ref, {})
+    cp = entry[1].get((minimize, eliminate))
+    if cp is None:
+        cp = entry[1][(minimize, eliminate)] = _presolve_uncached(problem, minimize, eliminate)
+    return cp
+
+
+def _presolve_uncached(problem: ShardingProblem, minimize: str, eliminate: bool) -> _Compact:
     red = _reduce(problem)
     memory = _memory_by_rep(problem, red)
     if minimize == "cost":
@@ -595,53 +624,88 @@ def _memory_unit(cp: _Compact, limit: float | None) -> float:
 # ----------------------------------------------------------------------------- CP-SAT
 
 
-def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
+_INT64_MIN = -(2**63)
+_BOOL_VAR_TEXT = "variables { domain: 0 domain: 1 }\n"
+
+
+def _cpsat_model(problem, cp: _Compact, minimize: str):
+    """The CP-SAT model of the formulation in the module docstring, and the index of each
+    representative's first boolean (its strategies' booleans are consecutive).
+
+    The booleans, the exactly-one rows, the marginalisation rows, the shared-cost rows
+    and the cost objective are written into the model's proto directly, exactly as
+    ``CpModel``'s modelling calls write them (variables in creation order, each linear
+    row's terms by variable index), only without a Python object per variable; the
+    memory rows go through the modelling calls."""
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
-    x: dict[int, list] = {}
+    proto = model.proto
+    first: dict[int, int] = {}
+    n = 0
     for r, u in cp.unary.items():
-        x[r] = [model.new_bool_var("") for _ in range(len(u))]
-        model.add_exactly_one(x[r])
+        first[r] = n
+        n += len(u)
     scale = _objective_scale(cp)
-    obj_vars: list = []
+    obj_vars: list[int] = []
     obj_coefs: list[int] = []
+    constraints = proto.constraints
     for r, u in cp.unary.items():
-        for s, c in enumerate(u):
-            w = round(float(c) * scale)
+        xs = range(first[r], first[r] + len(u))
+        constraints.add().exactly_one.literals.extend(xs)
+        for s, c in enumerate(u.tolist()):
+            w = round(c * scale)
             if w:
-                obj_vars.append(x[r][s])
+                obj_vars.append(first[r] + s)
                 obj_coefs.append(w)
     for e in cp.edges:
         n_rows, n_cols = e.mat.shape
-        a: list[list] = [[] for _ in range(n_rows)]
-        b: list[list] = [[] for _ in range(n_cols)]
-        for s, k in enumerate(e.src_cls):
-            a[k].append(x[e.src][s])
-        for s, k in enumerate(e.dst_cls):
-            b[k].append(x[e.dst][s])
-        y = [[model.new_bool_var("") for _ in range(n_cols)] for _ in range(n_rows)]
+        y0 = n
+        n += n_rows * n_cols
+        src, dst = first[e.src], first[e.dst]
+        a: list[list[int]] = [[] for _ in range(n_rows)]
+        b: list[list[int]] = [[] for _ in range(n_cols)]
+        for s, k in enumerate(e.src_cls.tolist()):
+            a[k].append(src + s)
+        for s, k in enumerate(e.dst_cls.tolist()):
+            b[k].append(dst + s)
+        # sum_j y[i, j] == a[i] and sum_i y[i, j] == b[j]: the strategies' booleans come
+        # first (they were created before the pair booleans).
         for i in range(n_rows):
-            model.add(cp_model.LinearExpr.sum(y[i]) == cp_model.LinearExpr.sum(a[i]))
+            lin = constraints.add().linear
+            lin.vars.extend(a[i])
+            lin.vars.extend(range(y0 + i * n_cols, y0 + (i + 1) * n_cols))
+            lin.coeffs.extend([-1] * len(a[i]) + [1] * n_cols)
+            lin.domain.extend((0, 0))
         for j in range(n_cols):
-            col = [y[i][j] for i in range(n_rows)]
-            model.add(cp_model.LinearExpr.sum(col) == cp_model.LinearExpr.sum(b[j]))
+            lin = constraints.add().linear
+            lin.vars.extend(b[j])
+            lin.vars.extend(range(y0 + j, y0 + n_rows * n_cols, n_cols))
+            lin.coeffs.extend([-1] * len(b[j]) + [1] * n_rows)
+            lin.domain.extend((0, 0))
         w = np.rint(e.mat * scale).astype(np.int64)
-        for i, j in zip(*np.nonzero(w), strict=True):
-            obj_vars.append(y[i][j])
-            obj_coefs.append(int(w[i, j]))
+        nz = np.flatnonzero(w)
+        obj_vars.extend((nz + y0).tolist())
+        obj_coefs.extend(w.ravel()[nz].tolist())
     if minimize == "cost":
         for cost, masks in cp.shared:
             w = round(cost * scale)
             if not w:
                 continue
-            z = model.new_bool_var("")
+            z = n
+            n += 1
             for r, m in masks.items():
                 # A node's member strategies exclude each other: their sum is a tighter
                 # (and smaller) relaxation of "any member => z" than one row per member.
-                model.add(cp_model.LinearExpr.sum([x[r][s] for s in np.flatnonzero(m)]) <= z)
+                members = (np.flatnonzero(m) + first[r]).tolist()
+                lin = constraints.add().linear
+                lin.vars.extend(members)
+                lin.vars.append(z)
+                lin.coeffs.extend([1] * len(members) + [-1])
+                lin.domain.extend((_INT64_MIN, 0))
             obj_vars.append(z)
             obj_coefs.append(w)
+    proto.merge_text_format(_BOOL_VAR_TEXT * n)  # n booleans, as new_bool_var("") makes them
     if cp.memory:
         unit = _memory_unit(cp, problem.memory_limit)
         peak = None
@@ -654,7 +718,7 @@ def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
                 for s, bts in enumerate(vec):
                     k = math.ceil(bts / unit)
                     if k:
-                        vs.append(x[r][s])
+                        vs.append(model.get_bool_var_from_proto_index(first[r] + s))
                         cs.append(k)
             expr = cp_model.LinearExpr.weighted_sum(vs, cs)
             if peak is not None:
@@ -664,12 +728,23 @@ def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
         if peak is not None:
             model.minimize(peak)
     if minimize == "cost":
-        model.minimize(cp_model.LinearExpr.weighted_sum(obj_vars, obj_coefs))
+        # The terms are in variable order already (booleans, then pairs, then shared).
+        objective = proto.objective
+        objective.vars.extend(obj_vars)
+        objective.coeffs.extend(obj_coefs)
+        objective.scaling_factor = 1.0
+    return model, first, scale
+
+
+def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
+    from ortools.sat.python import cp_model
+
+    model, first, scale = _cpsat_model(problem, cp, minimize)
     # Hint the node booleans only: propagation fixes every pair boolean from them.
     hint = model.proto.solution_hint
-    for r, xs in x.items():
-        hint.vars.extend(v.index for v in xs)
-        hint.values.extend(int(s == start[r]) for s in range(len(xs)))
+    for r, u in cp.unary.items():
+        hint.vars.extend(range(first[r], first[r] + len(u)))
+        hint.values.extend(int(s == start[r]) for s in range(len(u)))
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.max_time_in_seconds = float(time_limit_s)
@@ -692,8 +767,9 @@ def _solve_cpsat(problem, cp: _Compact, time_limit_s, workers, start, minimize):
                 "backend='highs'."
             )
         return None, "unknown", 0.0
+    values = list(solver.response_proto.solution)
     picked = {
-        r: next(s for s, v in enumerate(xs) if solver.boolean_value(v)) for r, xs in x.items()
+        r: next(s for s in range(len(u)) if values[first[r] + s]) for r, u in cp.unary.items()
     }
     bound = 0.0
     if minimize == "cost":

@@ -42,6 +42,7 @@ from autopar.search.build.catalog import StrategyCatalog
 from autopar.search.build.coarsen import Coarse
 from autopar.search.build.records import CombinedReduction, EdgeRef, Group, GroupShape, Op, pad
 from autopar.search.pricing import (
+    STATE_ROLES,
     combined_linear_s,
     feeds_state_update,
     is_gradient_op,
@@ -123,6 +124,7 @@ class _Pricer:
         self._from_replicated = _from_replicated(coarse, catalog) if self.penalty else set()
         self._class_cache: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
         self._matrix_cache: dict[tuple, tuple] = {}
+        self._reshard_cache: dict[tuple, float] = {}
 
     def run(self) -> Priced:
         groups = self._price_groups()
@@ -177,8 +179,13 @@ class _Pricer:
         self, op: Op, k: int, have: Sharding, need: Sharding, source: Op, into: bool
     ) -> float:
         t = op.node.in_tensors[k]
-        colls = price_reshard(self.ctx, t, have, need, source=source, into_state=into)
-        return reshard_linear_s(colls, self.eta)
+        # The price depends on the source only through whether it is stored state.
+        key = (t.shape, t.dtype, have, need, into or source.root_role in STATE_ROLES)
+        hit = self._reshard_cache.get(key)
+        if hit is None:
+            colls = price_reshard(self.ctx, t, have, need, source=source, into_state=into)
+            hit = self._reshard_cache[key] = reshard_linear_s(colls, self.eta)
+        return hit
 
     # -- groups -------------------------------------------------------------------------
     def _op_signature(self, op: Op) -> tuple:
