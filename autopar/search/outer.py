@@ -162,6 +162,7 @@ class Screened:
     config: PipelineConfig
     step_time_s: float
     memory_bytes: float
+    activation_bytes: float = 0.0  # of memory_bytes, what the in-flight microbatches hold
 
 
 def _divisors(n: int) -> list[int]:
@@ -288,7 +289,7 @@ def screen(config: PipelineConfig, prof: Profile, cluster: Any) -> Screened:
     else:
         inflight = float(min(p, m))
     held = boundary * inflight * v + act if c.remat == "full" else act * inflight
-    return Screened(config, step, prof.state_bytes / p + held)
+    return Screened(config, step, prof.state_bytes / p + held, held)
 
 
 def _inner_options(options: SearchOptions, mesh: Mapping[str, int], m: int, limit: float):
@@ -453,7 +454,7 @@ def plan_outer(
             if c.data * c.microbatch_size >= smallest
         ]
         for s in _finalists(screened, limit):
-            priced.append(_price(fn, args, graph, cluster, options, s.config, limit))
+            priced.append(_price(fn, args, graph, cluster, options, s, limit))
             bar.advance(f"priced {s.config.label}")
     fitting = [
         q for q in priced if q.plan is not None and q.candidate.memory_bytes_per_device <= limit
@@ -484,9 +485,10 @@ def _profile_accumulation(fn: Callable, args: tuple, graph: Graph, batch: int) -
 
 def _price(
     fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions,
-    c: PipelineConfig, limit: float,
+    screened: Screened, limit: float,
 ) -> _Priced:  # fmt: skip
     """Plan and price one finalist in full."""
+    c = screened.config
     from autopar.lower.split import plan_accumulation
     from autopar.search.planner import plan_graph
     from autopar.search.shortlist import candidate
@@ -517,9 +519,11 @@ def _price(
         plan, ev = priced(None)  # data parallel inside the stages
         return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev), c.remat)
     # The stages' layouts: the intra-op search on the sub-mesh for the whole step, under
-    # the bound times pipe (a stage holds about 1/pipe of it); while the stage priced does
-    # not fit, again under a bound tightened by its excess (at most _TIGHTEN solves).
-    bound = limit * c.pipe
+    # what the screen leaves a stage for its state (the bound less its in-flight
+    # activations) times pipe (a stage holds 1/pipe of the layers); while the stage
+    # priced does not fit, again under a bound tightened by its excess (at most
+    # _TIGHTEN solves).
+    bound = max(limit - screened.activation_bytes, limit / 4) * c.pipe
     best: tuple[Plan, Any] | None = None
     for _ in range(_TIGHTEN):
         try:
