@@ -421,9 +421,10 @@ def plan_outer(
     plain_error: AutoparError | None = None
     with SearchProgress(len(groups) + FINALISTS + 1, "plan") as bar:
         if options.pipeline_stages in (None, 1) and options.microbatches in (None, 1):
+            axes = tuple(a for a in options.axes if a != "pipe") if options.axes else None
             plain = replace(
-                options, pipeline_stages=None, schedule=None, virtual_stages=None,
-                remat=None, microbatch_size=None,
+                options, axes=axes or None, pipeline_stages=None, schedule=None,
+                virtual_stages=None, remat=None, microbatch_size=None,
             )  # fmt: skip
             try:
                 p0 = plan_graph(graph, cluster, plain)

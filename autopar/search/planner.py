@@ -68,9 +68,10 @@ def _check(options: SearchOptions, cluster: Any) -> None:
     """Refuse what the search cannot do yet, rather than ignore it."""
     if options.pipeline_stages is not None and options.pipeline_stages > 1:
         raise InvalidOptionError(
-            f"pipeline_stages={options.pipeline_stages}: the search does not choose pipelines "
-            "yet; give a mesh with a 'pipe' axis of that size (SearchOptions(mesh={'pipe': "
-            f"{options.pipeline_stages}, 'data': ...}}) and plan the step function."
+            f"pipeline_stages={options.pipeline_stages}: plan_graph is the intra-op search, "
+            "which does not choose pipelines; plan the step function with "
+            "autopar.plan(fn, *args, options=...), whose outer loop pipelines a traced step "
+            "(autopar.search.outer)."
         )
     if options.mesh is not None and options.mesh.get("pipe", 1) > 1:
         raise InvalidOptionError(
@@ -81,21 +82,26 @@ def _check(options: SearchOptions, cluster: Any) -> None:
         )
     if options.axes is not None and "pipe" in options.axes:
         raise InvalidOptionError(
-            f"axes={options.axes!r}: pipelining ('pipe') is not available yet; drop it."
+            f"axes={options.axes!r}: plan_graph does not pipeline ('pipe'); plan the step "
+            "function with autopar.plan(fn, *args, options=...), or drop 'pipe'."
         )
     if options.schedule is not None:
         raise InvalidOptionError(
-            f"schedule={options.schedule!r}: pipeline schedules need pipelining, which is "
-            "not available yet; leave schedule=None."
+            f"schedule={options.schedule!r}: pipeline schedules need pipelining, which "
+            "plan_graph does not do; plan the step function with autopar.plan(fn, *args, "
+            "options=...), or leave schedule=None."
         )
     if (options.virtual_stages or 1) > 1:
         raise InvalidOptionError(
-            f"virtual_stages={options.virtual_stages}: interleaved pipelining is not "
-            "available yet; leave virtual_stages=None."
+            f"virtual_stages={options.virtual_stages}: interleaved pipelining needs "
+            "autopar.plan(fn, *args, options=...) (plan_graph does not pipeline); or leave "
+            "virtual_stages=None."
         )
     if options.remat not in (None, "none"):
         raise InvalidOptionError(
-            f"remat={options.remat!r}: rematerialisation is not available yet; use None or 'none'."
+            f"remat={options.remat!r}: rematerialisation runs per pipeline stage, which "
+            "plan_graph does not make; plan the step function with autopar.plan(fn, *args, "
+            "options=...), or use None or 'none'."
         )
     if options.mesh is not None:
         size = 1

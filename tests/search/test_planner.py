@@ -200,7 +200,7 @@ def test_moe_shards_experts_with_all_to_all():
 
 
 def test_pipeline_stages_without_a_pipe_mesh_is_refused(mlp_batch_heavy):
-    # The search does not choose pipelines yet: a stage count alone is refused, never
-    # ignored (a mesh with a 'pipe' axis pipelines, from the step function).
+    # plan_graph is the intra-op level: a stage count is refused, never ignored (the
+    # outer loop of autopar.plan pipelines, from the step function).
     with pytest.raises(InvalidOptionError, match="does not choose pipelines"):
         plan_graph(mlp_batch_heavy, FOUR, SearchOptions(pipeline_stages=2))
