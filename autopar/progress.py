@@ -1,7 +1,8 @@
 """A progress bar for searches that take a while (``rich``), silent for quick ones.
 
 A search that finishes within :data:`SHOW_AFTER_S` prints nothing; one that runs longer
-shows a transient ``rich`` progress bar on stderr (steps done out of the total, the
+shows a transient ``rich`` progress bar on stderr (one: a search run inside another's,
+as the outer loop runs the intra-op search, advances silently) (steps done out of the total, the
 current step's description, the elapsed time) from then on, and leaves the terminal
 clean when it ends. ``AUTOPAR_PROGRESS=0`` turns it off; ``AUTOPAR_PROGRESS=1`` shows it
 from the start.
@@ -55,8 +56,12 @@ class SearchProgress:
         """Whether the bar has appeared."""
         return self._progress is not None
 
+    _open = 0  # bars entered and not yet exited: a search inside a search shows none
+
     def __enter__(self) -> SearchProgress:
         self._start = time.perf_counter()
+        self._nested = SearchProgress._open > 0
+        SearchProgress._open += 1
         self._maybe_show()
         return self
 
@@ -66,6 +71,7 @@ class SearchProgress:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        SearchProgress._open -= 1
         if self._progress is not None:
             self._progress.stop()
 
@@ -89,7 +95,7 @@ class SearchProgress:
             )
 
     def _maybe_show(self) -> None:
-        if self._progress is not None or not self._enabled:
+        if self._progress is not None or not self._enabled or getattr(self, "_nested", False):
             return
         if time.perf_counter() - self._start < self._show_after:
             return

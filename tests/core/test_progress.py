@@ -11,6 +11,7 @@ import pytest
 import autopar
 from autopar import SearchOptions
 from autopar.progress import SearchProgress
+from autopar.search import plan_graph
 from cost_models import Cluster
 
 
@@ -33,6 +34,19 @@ def test_a_search_past_the_threshold_shows_the_bar(monkeypatch):
     assert bar.done == 2
 
 
+def test_a_search_inside_a_search_shows_one_bar(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_PROGRESS", "1")
+    with SearchProgress(1, "plan") as outer:
+        with SearchProgress(2, "meshes") as inner:
+            inner.advance("a")
+            inner.advance("b")
+        outer.advance("x")
+        assert outer.shown and not inner.shown
+    with SearchProgress(1, "again") as after:  # the count is released on exit
+        after.advance("y")
+        assert after.shown
+
+
 @pytest.mark.parametrize(("setting", "shown"), [("0", False), ("1", True)])
 def test_the_environment_turns_it_off_or_on(monkeypatch, setting, shown):
     monkeypatch.setenv("AUTOPAR_PROGRESS", setting)
@@ -48,7 +62,7 @@ def test_plan_graph_runs_with_the_bar_on(monkeypatch):
         return jnp.mean(jnp.tanh(x @ w) ** 2)
 
     g = autopar.trace(jax.grad(step), jnp.ones((64, 64)), jnp.ones((32, 64)))
-    plan = autopar.search.plan_graph(
+    plan = plan_graph(
         g, Cluster.preset("dgx-a100-80gb"), SearchOptions(mesh={"data": 8})
     )
     assert plan.mesh == {"data": 8}
