@@ -458,6 +458,7 @@ def pipeline(
     virtual_stages: int = 1,
     inner: Plan | Callable[..., Plan] | None = None,
     stage_remat: str | Sequence[str] = "none",
+    accumulation: Any = None,
 ) -> Plan:
     """Pipeline parallelism over the mesh's ``pipe`` axis, data parallel (or ``inner``)
     over the rest.
@@ -483,6 +484,9 @@ def pipeline(
     makes a stage keep only its input and re-run its forward in its backward
     (:mod:`autopar.lower.stage_remat`).
 
+    ``accumulation``: the step already analysed for ``microbatches``
+    (:func:`autopar.lower.split.plan_accumulation` of ``fn(*args)``), to save re-tracing it.
+
     Example:
         >>> from benchmarks.models.gpt import GPTConfig, make_train_step
         >>> gstep, (gstate, gbatch) = make_train_step(GPTConfig.preset("tiny"), 8)
@@ -505,8 +509,11 @@ def pipeline(
             "pipeline() re-traces the step on one microbatch: pass the step function and its "
             "arguments, not a traced graph."
         )
-    graph = trace(fn, *args)
-    acc = plan_accumulation(fn, args, microbatches, full=graph)
+    if accumulation is not None and accumulation.microbatches == microbatches:
+        graph, acc = accumulation.full, accumulation
+    else:
+        graph = trace(fn, *args)
+        acc = plan_accumulation(fn, args, microbatches, full=graph)
     ggraph = gradient_graph(acc, args)
     v = int(virtual_stages)
     if v > 1 and schedule != "interleaved-1f1b":

@@ -60,6 +60,7 @@ from jax.extend.core import Literal as JaxLiteral
 from autopar.errors import LowerPlanError
 
 _SPLIT = -1  # position marker of a split (per-stage) scan equation
+_LAYOUT_ONLY = ("sharding_constraint",)  # equations that only pin their operand's layout
 
 # ------------------------------------------------------------------------------ records
 
@@ -344,6 +345,15 @@ class _Cutter:
         if k is None or k in self.free or uses[v] != 1:
             return [v]
         e = self.eqns[k]
+        if e.primitive.name in _LAYOUT_ONLY and len(e.invars) == 1:
+            # A pinned layout on the sum (autopar.search.stages.pipeline_activations):
+            # the parts are summed over pipe at the end, whatever their layout.
+            inner = e.invars[0]
+            parts = self._parts(inner, uses) if isinstance(inner, Var) else [v]
+            if parts != [inner]:
+                self.folded.add(k)
+                return parts
+            return [v]
         if e.primitive.name not in ("add_any", "add") or any(
             not isinstance(a, Var)
             or a.aval.shape != v.aval.shape

@@ -345,7 +345,7 @@ def price_pipeline(
 
     plan = baselines.pipeline(
         fn, dict(mesh), *args, microbatches=m, schedule=schedule, virtual_stages=v,
-        inner=inner, stage_remat=remat,
+        inner=inner, stage_remat=remat, accumulation=acc,
     )  # fmt: skip
     if remat != "none":
         plan = replace(plan, name=f"{plan.name} (remat {remat})")
@@ -395,7 +395,6 @@ class _Priced:
     plan: Plan | None
     ev: Any
     candidate: Any
-    lever: str = ""
 
 
 def plan_outer(
@@ -434,7 +433,22 @@ def plan_outer(
             except InfeasiblePlanError as e:
                 plain_error = e
         bar.advance("intra-op search over the whole cluster")
-        acc1 = _profile_accumulation(fn, args, graph, batch)
+        try:
+            acc1 = _profile_accumulation(fn, args, graph, batch)
+        except AccumulateError as e:
+            # The step cannot be split into microbatches (so neither pipelined): the
+            # intra-op plan is the answer, if there is one.
+            if plain_error is not None:
+                raise InfeasiblePlanError(
+                    f"{plain_error} The memory levers (microbatches, pipeline stages, stage "
+                    f"remat) cannot help: {e}",
+                    smallest_bytes=getattr(plain_error, "smallest_bytes", None),
+                    bound_bytes=limit,
+                    closest=getattr(plain_error, "closest", None),
+                ) from e
+            if not priced:
+                raise  # the options ask for microbatches or stages the step cannot take
+            return priced[0].plan
         profiles = {}
         for g in groups:
             profiles[tuple(sorted(g.items()))] = profile(graph, cluster, options, g, acc1)
@@ -497,7 +511,7 @@ def _price(
     try:
         acc = plan_accumulation(fn, args, c.microbatches, full=graph)
     except AccumulateError as e:
-        return _Priced(c.label, None, None, _unfit(c, str(e)), "microbatches")
+        return _Priced(c.label, None, None, _unfit(c, str(e)))
     if c.pipe == 1:
         try:
             q = plan_graph(
@@ -507,7 +521,7 @@ def _price(
                 accumulation=acc,
             )
         except InfeasiblePlanError as e:
-            return _Priced(c.label, None, None, _unfit(c, str(e)), "microbatches")
+            return _Priced(c.label, None, None, _unfit(c, str(e)))
         return _Priced(c.label, q, q.predicted, replace(q.shortlist[0], label=c.label, verdict=""))
 
     def priced(inner: Plan | None) -> tuple[Plan, Any]:
@@ -518,7 +532,7 @@ def _price(
 
     if not c.model:
         plan, ev = priced(None)  # data parallel inside the stages
-        return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev), c.remat)
+        return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev))
     # The stages' layouts: the intra-op search on the sub-mesh for the whole step, under
     # what the screen leaves a stage for its state (the bound less its in-flight
     # activations) times pipe (a stage holds 1/pipe of the layers); while the stage
@@ -541,9 +555,9 @@ def _price(
             break
         bound *= 0.9 * limit / ev.memory_bytes_per_device
     if best is None:
-        return _Priced(c.label, None, None, _unfit(c, "the stages' layouts do not fit"), c.remat)
+        return _Priced(c.label, None, None, _unfit(c, "the stages' layouts do not fit"))
     plan, ev = best
-    return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev), c.remat)
+    return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev))
 
 
 def _unfit(c: PipelineConfig, why: str):
