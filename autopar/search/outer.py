@@ -33,10 +33,12 @@ It runs in three steps, each priced by the planner's own model:
 The un-pipelined plan (the intra-op search over the whole cluster's meshes) competes
 with the finalists; every finalist priced is in the plan's shortlist, with why it lost.
 
-Example:
-    >>> p = autopar.plan(step, state, batch, cluster=Cluster.preset("dgx-a100-80gb", nodes=4))
-    >>> p.mesh, p.pipeline.schedule, p.pipeline.microbatches
-    ({'pipe': 4, 'data': 1, 'tensor': 8}, '1f1b', 16)
+Example: the 2-layer MLP on four nodes, asked for two stages (the rest is searched).
+
+    >>> p = autopar.plan(step, state, batch, cluster=Cluster.preset("dgx-a100-80gb", nodes=4),
+    ...                  options=SearchOptions(pipeline_stages=2))
+    >>> p.mesh["pipe"], p.pipeline.num_stages, len(p.shortlist) >= FINALISTS
+    (2, 2, True)
 """
 
 from __future__ import annotations
@@ -206,8 +208,8 @@ def configurations(
 
     Example:
         >>> cs = configurations(graph, Cluster.preset("dgx-a100-80gb"), SearchOptions(), [{}])
-        >>> sorted({c.pipe for c in cs})
-        [1, 2, 4]
+        >>> sorted({c.pipe for c in cs})  # the MLP's 2 layers: at most 2 stages
+        [1, 2]
     """
     n, layers = cluster.num_devices, len(graph.layers)
     batch = batch_size(graph)
