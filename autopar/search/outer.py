@@ -25,10 +25,12 @@ It runs in three steps, each priced by the planner's own model:
    ``b`` times one example's seconds and bytes here; the finalists are priced at their
    own size.
 3. **Finalists.** The best screened configurations that fit (at most
-   :data:`FINALISTS`, at most two per stage count and group) are planned and priced in
-   full: the intra-op search on their own sub-mesh at their own microbatch size, the
-   stages' layouts pinned, the runtime's program priced by ``evaluate_pipeline``. That
-   price is what the plan reports and what the finalists are compared by.
+   :data:`FINALISTS`, at most two per stage count and group, picked one at a time: a
+   group whose finalist priced over its screened memory has the rest of its screen
+   scaled by that excess) are planned and priced in full: the intra-op search on their
+   own sub-mesh at their own microbatch size, the stages' layouts pinned, the runtime's
+   program priced by ``evaluate_pipeline``. That price is what the plan reports and
+   what the finalists are compared by.
 
 The un-pipelined plan (the intra-op search over the whole cluster's meshes) competes
 with the finalists; every finalist priced is in the plan's shortlist, with why it lost.
@@ -371,24 +373,28 @@ def finish(plan: Plan, ev: Any, cluster: Any, shortlist: tuple) -> Plan:
     )
 
 
-def _finalists(screened: list[Screened], limit: float) -> list[Screened]:
-    """The fastest screened configurations that fit (by the screen, with slack), at most
-    :data:`_PER_SHAPE` per stage count and model group; when none fits, the smallest."""
-    fits = [s for s in screened if s.memory_bytes <= limit * _SCREEN_SLACK]
-    pool = sorted(fits, key=lambda s: s.step_time_s) or sorted(
-        screened, key=lambda s: s.memory_bytes
-    )
-    out: list[Screened] = []
-    per: dict[tuple, int] = {}
-    for s in pool:
-        shape = (s.config.pipe, tuple(sorted(s.config.model.items())))
-        if per.get(shape, 0) >= _PER_SHAPE:
+def _shape(c: PipelineConfig) -> tuple:
+    return (c.pipe, tuple(sorted(c.model.items())))
+
+
+def _next_finalist(
+    screened: list[Screened], limit: float, taken: set[int], per: Mapping, scale: Mapping
+) -> int | None:
+    """Index of the next configuration to price in full: the fastest that fits by the
+    screen (its memory times what pricing its group taught, ``scale``, with slack), at
+    most :data:`_PER_SHAPE` per stage count and model group; when none fits, the
+    smallest. ``None`` when every configuration is taken or capped."""
+    best_fit: tuple[float, int] | None = None
+    smallest: tuple[float, int] | None = None
+    for i, s in enumerate(screened):
+        if i in taken or per.get(_shape(s.config), 0) >= _PER_SHAPE:
             continue
-        per[shape] = per.get(shape, 0) + 1
-        out.append(s)
-        if len(out) == FINALISTS:
-            break
-    return out
+        mem = s.memory_bytes * scale.get(_shape(s.config)[1], 1.0)
+        if mem <= limit * _SCREEN_SLACK:
+            best_fit = min(best_fit or (s.step_time_s, i), (s.step_time_s, i))
+        smallest = min(smallest or (mem, i), (mem, i))
+    pick = best_fit or smallest
+    return None if pick is None else pick[1]
 
 
 @dataclass
@@ -470,8 +476,25 @@ def plan_outer(
             for c in configurations(graph, cluster, options, groups)
             if c.data * c.microbatch_size >= smallest
         ]
-        for s in _finalists(screened, limit):
-            priced.append(_price(fn, args, graph, cluster, options, s, limit))
+        # Finalists one at a time: a group whose finalist priced over its screened
+        # memory has its other configurations' memory scaled by that excess before the
+        # next pick (the screen's state is a lower bound).
+        taken: set[int] = set()
+        per: dict[tuple, int] = {}
+        scale: dict[tuple, float] = {}
+        while len(taken) < FINALISTS:
+            i = _next_finalist(screened, limit, taken, per, scale)
+            if i is None:
+                break
+            s = screened[i]
+            taken.add(i)
+            per[_shape(s.config)] = per.get(_shape(s.config), 0) + 1
+            q = _price(fn, args, graph, cluster, options, s, limit)
+            priced.append(q)
+            got = q.candidate.memory_bytes_per_device
+            if got is not None and s.memory_bytes > 0:
+                group = _shape(s.config)[1]
+                scale[group] = max(scale.get(group, 1.0), got / s.memory_bytes)
             bar.advance(f"priced {s.config.label}")
     fitting = [
         q for q in priced if q.plan is not None and q.candidate.memory_bytes_per_device <= limit

@@ -43,6 +43,7 @@ from autopar.search.shortlist import candidate, rank, unsolved
 from autopar.search.to_plan import role_names, write_plan
 from autopar.trace.graph import Graph
 
+_NO_PIPELINES = " (plan_graph, the intra-op search, does not pipeline)"
 _CLOSE = 0.10  # meshes whose bound is within this of the best step time get the full limit
 _LOSER_TIME_FRACTION = 0.25  # the others get this fraction of the solver time limit
 
@@ -87,21 +88,21 @@ def _check(options: SearchOptions, cluster: Any) -> None:
         )
     if options.schedule is not None:
         raise InvalidOptionError(
-            f"schedule={options.schedule!r}: pipeline schedules need pipelining, which "
-            "plan_graph does not do; plan the step function with autopar.plan(fn, *args, "
-            "options=...), or leave schedule=None."
+            f"schedule={options.schedule!r} needs pipeline stages: give the mesh a 'pipe' "
+            f"axis, or leave the mesh open for autopar.plan(fn, *args) to choose them"
+            f"{_NO_PIPELINES}, or leave schedule=None."
         )
     if (options.virtual_stages or 1) > 1:
         raise InvalidOptionError(
-            f"virtual_stages={options.virtual_stages}: interleaved pipelining needs "
-            "autopar.plan(fn, *args, options=...) (plan_graph does not pipeline); or leave "
-            "virtual_stages=None."
+            f"virtual_stages={options.virtual_stages} needs pipeline stages: give the mesh a "
+            "'pipe' axis, or leave the mesh open for autopar.plan(fn, *args) to choose them"
+            f"{_NO_PIPELINES}, or leave virtual_stages=None."
         )
     if options.remat not in (None, "none"):
         raise InvalidOptionError(
-            f"remat={options.remat!r}: rematerialisation runs per pipeline stage, which "
-            "plan_graph does not make; plan the step function with autopar.plan(fn, *args, "
-            "options=...), or use None or 'none'."
+            f"remat={options.remat!r}: rematerialisation runs per pipeline stage: give the "
+            "mesh a 'pipe' axis, or leave the mesh open for autopar.plan(fn, *args) to "
+            f"choose the stages{_NO_PIPELINES}, or use None or 'none'."
         )
     if options.mesh is not None:
         size = 1

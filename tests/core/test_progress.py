@@ -62,7 +62,5 @@ def test_plan_graph_runs_with_the_bar_on(monkeypatch):
         return jnp.mean(jnp.tanh(x @ w) ** 2)
 
     g = autopar.trace(jax.grad(step), jnp.ones((64, 64)), jnp.ones((32, 64)))
-    plan = plan_graph(
-        g, Cluster.preset("dgx-a100-80gb"), SearchOptions(mesh={"data": 8})
-    )
+    plan = plan_graph(g, Cluster.preset("dgx-a100-80gb"), SearchOptions(mesh={"data": 8}))
     assert plan.mesh == {"data": 8}

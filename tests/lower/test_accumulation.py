@@ -234,5 +234,5 @@ def test_bad_microbatch_options_are_refused():
         SearchOptions(mesh={"data": 8}, schedule="1f1b"),
         SearchOptions(virtual_stages=2),
     ):
-        with pytest.raises(InvalidOptionError, match="not available yet"):
+        with pytest.raises(InvalidOptionError, match="needs pipeline stages"):
             autopar.plan(g, cluster=EIGHT, options=opts)
