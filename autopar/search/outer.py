@@ -24,16 +24,18 @@ It runs in three steps, each priced by the planner's own model:
    activations (only the stage inputs under remat). A microbatch of ``b`` examples costs
    ``b`` times one example's seconds and bytes here; the finalists are priced at their
    own size.
-3. **Finalists.** The best screened configurations that fit (at most
-   :data:`FINALISTS`, at most two per stage count and group, picked one at a time: a
-   group whose finalist priced over its screened memory has the rest of its screen
-   scaled by that excess) are planned and priced in full: the intra-op search on their
-   own sub-mesh at their own microbatch size, the stages' layouts pinned, the runtime's
-   program priced by ``evaluate_pipeline``. That price is what the plan reports and
-   what the finalists are compared by.
+3. **Finalists.** The best screened configurations that fit (three once one of them
+   fits, up to :data:`FINALISTS` while none does; at most two per stage count and
+   group; picked one at a time: a group whose finalist priced over its screened memory
+   has the rest of its screen scaled by that excess) are planned and priced in full:
+   the intra-op search on their own sub-mesh at their own microbatch size, the stages'
+   layouts pinned, the runtime's program priced by ``evaluate_pipeline``. That price is
+   what the plan reports and what the finalists are compared by.
 
 The un-pipelined plan (the intra-op search over the whole cluster's meshes) competes
-with the finalists; every finalist priced is in the plan's shortlist, with why it lost.
+with the finalists; every finalist priced is in the plan's shortlist, with why it lost,
+and the next screened configurations fill it to at least :data:`FINALISTS` (marked as
+screened only, with their estimates).
 
 Example: the 2-layer MLP on four nodes, asked for two stages (the rest is searched).
 
@@ -60,8 +62,10 @@ from autopar.search.meshes import candidate_meshes, offered_axes
 from autopar.trace.graph import Graph
 
 FINALISTS = 5  # configurations priced in full (the shortlist needs at least five)
+_FEWEST = 3  # finalists priced in full once one of them fits (more while none does)
 _PER_SHAPE = 2  # at most this many finalists share a stage count and model group
-_TIGHTEN = 3  # inner solves per finalist, each under a bound tightened by the excess
+_TIGHTEN = 2  # inner solves per finalist, the second under a bound tightened by the excess
+_TIGHTER = 0.85  # ... to this fraction of what would just fit
 _SCREEN_SLACK = 1.10  # a screened footprint up to this over the bound may still fit
 _MODEL_SPLITS = ("model", "sequence", "experts")
 
@@ -482,23 +486,34 @@ def plan_outer(
         taken: set[int] = set()
         per: dict[tuple, int] = {}
         scale: dict[tuple, float] = {}
+        # At least _FEWEST finalists; up to FINALISTS while none priced fits.
         while len(taken) < FINALISTS:
+            if len(taken) >= _FEWEST and any(_fits(q, limit) for q in priced):
+                break
             i = _next_finalist(screened, limit, taken, per, scale)
             if i is None:
                 break
             s = screened[i]
             taken.add(i)
             per[_shape(s.config)] = per.get(_shape(s.config), 0) + 1
-            q = _price(fn, args, graph, cluster, options, s, limit)
+            q = _price(
+                fn, args, graph, cluster, options, s, limit, scale.get(_shape(s.config)[1], 1.0)
+            )
             priced.append(q)
             got = q.candidate.memory_bytes_per_device
             if got is not None and s.memory_bytes > 0:
                 group = _shape(s.config)[1]
                 scale[group] = max(scale.get(group, 1.0), got / s.memory_bytes)
             bar.advance(f"priced {s.config.label}")
-    fitting = [
-        q for q in priced if q.plan is not None and q.candidate.memory_bytes_per_device <= limit
-    ]
+        # The shortlist holds at least FINALISTS candidates: the next screened ones fill
+        # it, marked as screened only (their estimates, not a full price).
+        while len(priced) < FINALISTS:
+            i = _next_finalist(screened, limit, taken, {}, scale)
+            if i is None:
+                break
+            taken.add(i)
+            priced.append(_screened_only(screened[i], scale))
+    fitting = [q for q in priced if _fits(q, limit)]
     if not fitting:
         raise _infeasible(priced, limit, plain_error)
     best = min(fitting, key=lambda q: q.candidate.step_time_s)
@@ -507,6 +522,21 @@ def plan_outer(
     if best.ev is best.plan.predicted:
         return replace(best.plan, shortlist=short)
     return finish(best.plan, best.ev, cluster, short)
+
+
+def _fits(q: _Priced, limit: float) -> bool:
+    return q.plan is not None and q.candidate.memory_bytes_per_device <= limit
+
+
+def _screened_only(s: Screened, scale: Mapping) -> _Priced:
+    from autopar.search.shortlist import unsolved
+
+    mem = s.memory_bytes * scale.get(_shape(s.config)[1], 1.0)
+    why = (
+        f"screened only (not priced in full): about {s.step_time_s:.3g} s per step, "
+        f"{mem / 2**30:.3g} GiB per device"
+    )
+    return _Priced(s.config.label, None, None, unsolved(s.config.label, s.config.mesh, why))
 
 
 def _profile_accumulation(fn: Callable, args: tuple, graph: Graph, batch: int) -> Any:
@@ -525,7 +555,7 @@ def _profile_accumulation(fn: Callable, args: tuple, graph: Graph, batch: int) -
 
 def _price(
     fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions,
-    screened: Screened, limit: float,
+    screened: Screened, limit: float, learned: float = 1.0,
 ) -> _Priced:  # fmt: skip
     """Plan and price one finalist in full."""
     c = screened.config
@@ -560,10 +590,10 @@ def _price(
         return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev))
     # The stages' layouts: the intra-op search on the sub-mesh for the whole step, under
     # what the screen leaves a stage for its state (the bound less its in-flight
-    # activations) times pipe (a stage holds 1/pipe of the layers); while the stage
-    # priced does not fit, again under a bound tightened by its excess (at most
-    # _TIGHTEN solves).
-    bound = max(limit - screened.activation_bytes, limit / 4) * c.pipe
+    # activations) times pipe (a stage holds 1/pipe of the layers), over what pricing
+    # its group's earlier finalists taught (``learned``: priced / screened memory); if
+    # the stage priced does not fit, once more under a bound tightened by its excess.
+    bound = max(limit - screened.activation_bytes, limit / 4) * c.pipe / learned
     best: tuple[Plan, Any] | None = None
     for _ in range(_TIGHTEN):
         try:
@@ -578,7 +608,7 @@ def _price(
             best = (plan, ev)
         if ev.fits:
             break
-        bound *= 0.9 * limit / ev.memory_bytes_per_device
+        bound *= _TIGHTER * limit / ev.memory_bytes_per_device
     if best is None:
         return _Priced(c.label, None, None, _unfit(c, "the stages' layouts do not fit"))
     plan, ev = best
