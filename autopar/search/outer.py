@@ -54,7 +54,13 @@ from typing import Any
 
 import cost_models
 from autopar.axes import AXES
-from autopar.errors import AccumulateError, AutoparError, InfeasiblePlanError, InvalidOptionError
+from autopar.errors import (
+    AccumulateError,
+    AutoparError,
+    InfeasiblePlanError,
+    InvalidOptionError,
+    SolveShardingError,
+)
 from autopar.options import SearchOptions
 from autopar.plan import PipelinePlan, Plan
 from autopar.search.costs import CostContext
@@ -463,12 +469,16 @@ def plan_outer(
             return priced[0].plan
         profiles = {}
         for g in groups:
-            profiles[tuple(sorted(g.items()))] = profile(graph, cluster, options, g, acc1)
+            try:
+                profiles[tuple(sorted(g.items()))] = profile(graph, cluster, options, g, acc1)
+            except SolveShardingError:
+                pass  # the solver found no layout in time: the group is not offered
             bar.advance(f"profiled {g or 'one device'}")
+        groups = [g for g in groups if tuple(sorted(g.items())) in profiles]
         # A group's profile is solved without a memory bound (fastest layouts); what it
         # could hold at best is the whole state split over the group, and the finalists'
         # full pricing tightens their stage layouts towards it (_price).
-        whole = profiles[()].state_bytes
+        whole = profiles[()].state_bytes if () in profiles else math.inf
         for key, prof in profiles.items():
             k = math.prod(n for _, n in key) if key else 1
             profiles[key] = replace(prof, state_bytes=min(prof.state_bytes, whole / k))
@@ -575,7 +585,7 @@ def _price(
                 _inner_options(options, c.sub_mesh, c.microbatches, limit),
                 accumulation=acc,
             )
-        except InfeasiblePlanError as e:
+        except (InfeasiblePlanError, SolveShardingError) as e:
             return _Priced(c.label, None, None, _unfit(c, str(e)))
         return _Priced(c.label, q, q.predicted, replace(q.shortlist[0], label=c.label, verdict=""))
 
@@ -601,7 +611,7 @@ def _price(
                 graph, cluster, _inner_options(options, c.sub_mesh, c.microbatches, bound),
                 accumulation=acc,
             )  # fmt: skip
-        except InfeasiblePlanError:
+        except (InfeasiblePlanError, SolveShardingError):
             break
         plan, ev = priced(inner)
         if best is None or (ev.fits, -ev.step_time_s) > (best[1].fits, -best[1].step_time_s):
