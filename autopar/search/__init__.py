@@ -2,6 +2,9 @@
 
 * :func:`plan_graph` ``(graph, cluster, options) -> Plan``: pick a mesh and a layout for
   every tensor that minimises the predicted step time within the memory bound.
+* :func:`plan_outer` ``(fn, args, graph, cluster, options) -> Plan``: the 4D outer loop
+  above it (pipeline stages, the group inside a node, microbatches, schedule, stage
+  remat), as ``autopar.plan`` runs it for multi-node clusters.
 * :func:`evaluate_plan` ``(graph, plan, cluster) -> Evaluation``: score any plan with the
   same cost model (``sources=[]`` also lists each predicted collective's
   :class:`CollectiveSource`).
@@ -15,6 +18,7 @@ Example:
 """
 
 from autopar.search.evaluate import CollectiveSource, Evaluation, complete_plan, evaluate_plan
+from autopar.search.outer import plan_outer
 from autopar.search.planner import candidate_meshes, plan_graph
 from autopar.search.problem import (
     MemoryConstraint,
@@ -39,5 +43,6 @@ __all__ = [
     "complete_plan",
     "evaluate_plan",
     "plan_graph",
+    "plan_outer",
     "solve",
 ]
