@@ -24,10 +24,11 @@ It runs in three steps, each priced by the planner's own model:
    activations (only the stage inputs under remat). A microbatch of ``b`` examples costs
    ``b`` times one example's seconds and bytes here; the finalists are priced at their
    own size.
-3. **Finalists.** The best screened configurations that fit (three once one of them
-   fits, up to :data:`FINALISTS` while none does; at most two per stage count and
-   group; picked one at a time: a group whose finalist priced over its screened memory
-   has the rest of its screen scaled by that excess) are planned and priced in full:
+3. **Finalists.** The best screened configurations that fit (at least three, up to
+   :data:`FINALISTS` while none fits or while the next one's screened time, corrected by
+   the mean priced/screened ratio of those priced so far, beats the best that fits; at
+   most two per stage count and group; picked one at a time: a group whose finalist
+   priced over its screened memory has the rest of its screen scaled by that excess) are planned and priced in full:
    the intra-op search on their own sub-mesh at their own microbatch size, the stages'
    layouts pinned, the runtime's program priced by ``evaluate_pipeline``. That price is
    what the plan reports and what the finalists are compared by.
@@ -68,12 +69,13 @@ from autopar.search.meshes import candidate_meshes, offered_axes
 from autopar.trace.graph import Graph
 
 FINALISTS = 5  # configurations priced in full (the shortlist needs at least five)
-_FEWEST = 3  # finalists priced in full once one of them fits (more while none does)
+_FEWEST = 3  # finalists priced in full before the screen may stop the pricing
 _PER_SHAPE = 2  # at most this many finalists share a stage count and model group
 _TIGHTEN = 2  # inner solves per finalist, the second under a bound tightened by the excess
 _TIGHTER = 0.85  # ... to this fraction of what would just fit
 _SCREEN_SLACK = 1.10  # a screened footprint up to this over the bound may still fit
 _MODEL_SPLITS = ("model", "sequence", "experts")
+_GROUP_AXES = 2  # model axes in a stage's group (with data and pipe: four mesh axes)
 
 __all__ = [
     "FINALISTS",
@@ -196,7 +198,9 @@ def batch_size(graph: Graph) -> int:
 
 def model_groups(graph: Graph, cluster: Any, options: SearchOptions) -> list[dict[str, int]]:
     """The model-parallel groups a stage may use: factorisations of each divisor of the
-    node's device count over the model axes the graph offers (``{}``: none).
+    node's device count over the model axes the graph offers, at most
+    :data:`_GROUP_AXES` of them (``{}``: none). The solves of a fixed mesh keep its names,
+    so an offered ``expert`` axis also gets groups of its own (``{"expert": k}``).
 
     Example:
         >>> model_groups(graph, Cluster.preset("dgx-a100-80gb", nodes=2), SearchOptions())
@@ -208,7 +212,10 @@ def model_groups(graph: Graph, cluster: Any, options: SearchOptions) -> list[dic
     if not model_axes:
         return out
     for k in _divisors(min(cluster.devices_per_node, cluster.num_devices))[1:]:
-        out += candidate_meshes(k, SearchOptions(axes=model_axes), graph)
+        found = candidate_meshes(k, SearchOptions(axes=model_axes), graph)
+        out += [g for g in found if len(g) <= _GROUP_AXES]
+        if "expert" in model_axes and {"expert": k} not in out:
+            out.append({"expert": k})
     return out
 
 
@@ -496,20 +503,27 @@ def plan_outer(
         taken: set[int] = set()
         per: dict[tuple, int] = {}
         scale: dict[tuple, float] = {}
-        # At least _FEWEST finalists; up to FINALISTS while none priced fits.
+        # At least _FEWEST finalists; up to FINALISTS while none priced fits, or while
+        # the next one's screened step time, times what pricing taught (the mean of
+        # priced / screened over the finalists so far), beats the best that fits.
+        ratios: list[float] = []
         while len(taken) < FINALISTS:
-            if len(taken) >= _FEWEST and any(_fits(q, limit) for q in priced):
-                break
             i = _next_finalist(screened, limit, taken, per, scale)
             if i is None:
                 break
             s = screened[i]
+            fit = [q.candidate.step_time_s for q in priced if _fits(q, limit)]
+            if len(taken) >= _FEWEST and fit and ratios:
+                if s.step_time_s * sum(ratios) / len(ratios) >= min(fit):
+                    break
             taken.add(i)
             per[_shape(s.config)] = per.get(_shape(s.config), 0) + 1
             q = _price(
                 fn, args, graph, cluster, options, s, limit, scale.get(_shape(s.config)[1], 1.0)
             )
             priced.append(q)
+            if q.candidate.step_time_s is not None and s.step_time_s > 0:
+                ratios.append(q.candidate.step_time_s / s.step_time_s)
             got = q.candidate.memory_bytes_per_device
             if got is not None and s.memory_bytes > 0:
                 group = _shape(s.config)[1]

@@ -184,3 +184,12 @@ def test_nothing_fits_names_the_smallest_footprint_and_the_levers():
     assert e.value.bound_bytes == 1000 and e.value.smallest_bytes > 1000
     assert e.value.closest and e.value.closest in msg
     assert "remat" in msg and "pipeline stages" in msg and "microbatches" in msg
+
+
+def test_an_expert_model_gets_expert_groups():
+    from benchmarks.models.moe import MoEConfig, make_train_step
+
+    step, args = make_train_step(MoEConfig.preset("tiny"), BATCH)
+    groups = model_groups(autopar.trace(step, *args), TWO_NODES, SearchOptions())
+    assert {"expert": 2} in groups and {"expert": 4} in groups
+    assert all(len(g) <= 2 for g in groups)
