@@ -28,7 +28,9 @@ It runs in three steps, each priced by the planner's own model:
    :data:`FINALISTS` while none fits or while the next one's screened time, corrected by
    the mean priced/screened ratio of those priced so far, beats the best that fits; at
    most two per stage count and group; picked one at a time: a group whose finalist
-   priced over its screened memory has the rest of its screen scaled by that excess) are planned and priced in full:
+   priced over its screened memory has the rest of its screen scaled by that excess, a
+   group not priced yet by the largest excess seen; when none of them fits, two more
+   with the smallest screened footprints) are planned and priced in full:
    the intra-op search on their own sub-mesh at their own microbatch size, the stages'
    layouts pinned, the runtime's program priced by ``evaluate_pipeline``. That price is
    what the plan reports and what the finalists are compared by.
@@ -70,6 +72,7 @@ from autopar.trace.graph import Graph
 
 FINALISTS = 5  # configurations priced in full (the shortlist needs at least five)
 _FEWEST = 3  # finalists priced in full before the screen may stop the pricing
+_RESCUES = 2  # more, smallest screened footprint first, when no finalist fits
 _PER_SHAPE = 2  # at most this many finalists share a stage count and model group
 _TIGHTEN = 2  # inner solves per finalist, the second under a bound tightened by the excess
 _TIGHTER = 0.85  # ... to this fraction of what would just fit
@@ -395,22 +398,29 @@ def _shape(c: PipelineConfig) -> tuple:
 
 
 def _next_finalist(
-    screened: list[Screened], limit: float, taken: set[int], per: Mapping, scale: Mapping
+    screened: list[Screened],
+    limit: float,
+    taken: set[int],
+    per: Mapping,
+    scale: Mapping,
+    smallest_first: bool = False,
 ) -> int | None:
     """Index of the next configuration to price in full: the fastest that fits by the
-    screen (its memory times what pricing its group taught, ``scale``, with slack), at
-    most :data:`_PER_SHAPE` per stage count and model group; when none fits, the
-    smallest. ``None`` when every configuration is taken or capped."""
+    screen (its memory times what pricing its group taught, ``scale``, or the most any
+    group taught for a group not priced yet; with slack), at most :data:`_PER_SHAPE` per
+    stage count and model group; when none fits (or ``smallest_first``), the smallest.
+    ``None`` when every configuration is taken or capped."""
     best_fit: tuple[float, int] | None = None
     smallest: tuple[float, int] | None = None
+    worst = max(scale.values(), default=1.0)
     for i, s in enumerate(screened):
         if i in taken or per.get(_shape(s.config), 0) >= _PER_SHAPE:
             continue
-        mem = s.memory_bytes * scale.get(_shape(s.config)[1], 1.0)
+        mem = s.memory_bytes * scale.get(_shape(s.config)[1], worst)
         if mem <= limit * _SCREEN_SLACK:
             best_fit = min(best_fit or (s.step_time_s, i), (s.step_time_s, i))
         smallest = min(smallest or (mem, i), (mem, i))
-    pick = best_fit or smallest
+    pick = smallest if smallest_first else best_fit or smallest
     return None if pick is None else pick[1]
 
 
@@ -507,8 +517,12 @@ def plan_outer(
         # the next one's screened step time, times what pricing taught (the mean of
         # priced / screened over the finalists so far), beats the best that fits.
         ratios: list[float] = []
-        while len(taken) < FINALISTS:
-            i = _next_finalist(screened, limit, taken, per, scale)
+        while len(taken) < FINALISTS + _RESCUES:
+            # Past FINALISTS with nothing that fits: the smallest footprints (rescues).
+            rescue = len(taken) >= FINALISTS
+            if rescue and any(_fits(q, limit) for q in priced):
+                break
+            i = _next_finalist(screened, limit, taken, {} if rescue else per, scale, rescue)
             if i is None:
                 break
             s = screened[i]
