@@ -23,6 +23,7 @@ from autopar.search.sharding import (
     Collective,
     MeshShape,
     Sharding,
+    after_all_to_all,
     reshard_moves,
     shards,
 )
@@ -211,11 +212,7 @@ def _route(
     a2a, gather, _ = reshard_moves((), src, dst, mesh)
     mid = None
     if a2a:
-        moved = set(a2a)
-        mid = tuple(
-            tuple(a for a in s if a not in moved) + tuple(a for a in d if a in moved)
-            for s, d in zip(src, dst, strict=True)
-        )
+        mid = after_all_to_all(src, dst, a2a)
         if mid == dst:
             mid = None
 

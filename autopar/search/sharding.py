@@ -292,11 +292,7 @@ def reshard_steps(
 
     cur = src
     if a2a:
-        moved = set(a2a)
-        mid = tuple(
-            tuple(a for a in s if a not in moved) + tuple(a for a in d if a in moved)
-            for s, d in zip(src, dst, strict=True)
-        )
+        mid = after_all_to_all(src, dst, a2a)
         if fits(mid) and mid != dst:
             steps.append(mid)
             cur = mid
@@ -307,6 +303,21 @@ def reshard_steps(
             steps.append(mid)
     steps.append(dst)
     return tuple(steps)
+
+
+def after_all_to_all(src: Sharding, dst: Sharding, moved_axes: Sequence[str]) -> Sharding:
+    """The layout after the all-to-all that moves ``moved_axes`` from where ``src`` has
+    them to where ``dst`` has them (the first step of :func:`reshard_steps`).
+
+    Example:
+        >>> after_all_to_all((("d",), ()), ((), ("d",)), ("d",))
+        ((), ('d',))
+    """
+    moved = set(moved_axes)
+    return tuple(
+        tuple(a for a in s if a not in moved) + tuple(a for a in d if a in moved)
+        for s, d in zip(src, dst, strict=True)
+    )
 
 
 def reshard_plan(
