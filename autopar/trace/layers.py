@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -170,7 +171,16 @@ def _contains_run(comps: list[str], parts: list[str]) -> bool:
 
 
 def _named(nodes: Sequence[Node]) -> list[tuple[str, list[int]]]:
-    """``[(layer name, node ids)]`` in program order from indexed name-stack components."""
+    """``[(layer name, node ids)]`` in program order from indexed name-stack components.
+
+    A component is indexed when it ends in a number (``h_3``, ``layer3``) or *is* a number
+    under a named parent (``block/3``, Hugging Face's Flax layout): its ``(depth, prefix)``
+    is a candidate, its prefix ``"h"`` or ``"block/"`` (the parent's name). Candidates are
+    taken greedily by FLOPs (ties: the shallower, then more members) while their nodes are
+    disjoint from those taken, so two stacks under different names or depths
+    (``encoder/block/N`` and ``decoder/block/N`` share a candidate; ``enc_N`` and
+    ``dec_N`` do not) both become layers, and parts of a taken layer never do.
+    """
     # (depth, prefix) -> identity (module path up to the indexed component) -> node ids
     cands: dict[tuple[int, str], dict[tuple[str, ...], list[int]]] = defaultdict(
         lambda: defaultdict(list)
@@ -179,30 +189,55 @@ def _named(nodes: Sequence[Node]) -> list[tuple[str, list[int]]]:
         if not n.name_stack:
             continue
         comps = _components(n.name_stack)
-        for d, c in enumerate(comps):
-            m = _INDEXED.match(c)
-            if m:
-                cands[(d, m.group(1))][tuple(comps[: d + 1])].append(n.id)
-    total = sum(n.flops for n in nodes)
-    best_key, best_score = None, None
+        for d in range(len(comps)):
+            prefix = _indexed_prefix(comps, d)
+            if prefix is not None:
+                cands[(d, prefix)][tuple(comps[: d + 1])].append(n.id)
+    total = math.fsum(n.flops for n in nodes)
+    scored = []
     for key, members in cands.items():
         if len(members) < 2:
             continue
-        flops = sum(nodes[i].flops for ids in members.values() for i in ids)
+        ids = {i for m in members.values() for i in m}
+        # fsum over the set: equal node sets score exactly equal, whatever their order
+        flops = math.fsum(nodes[i].flops for i in ids)
         if flops < _MIN_NAMED_SHARE * total:
             continue  # indexed names of small parts (``ln_1``, ``ln_2``), not layers
-        score = (flops, -key[0], len(members))
-        if best_score is None or score > best_score:
-            best_key, best_score = key, score
-    if best_key is None:
-        return []
-    members = cands[best_key]
+        scored.append(((flops, -key[0], len(members)), key, ids))
+    scored.sort(key=lambda t: t[0], reverse=True)
+    taken: set[int] = set()
     out = []
-    for ident, ids in members.items():
-        name = "/".join(ident[1:]) if len(ident) > 1 else ident[0]
-        out.append((name, ids))
+    for _, key, ids in scored:
+        if ids & taken:
+            continue  # a part (or a parent) of layers already taken
+        taken |= ids
+        for ident, members in cands[key].items():
+            out.append((_layer_name(ident), members))
     out.sort(key=lambda t: min(t[1]))
     return out
+
+
+def _indexed_prefix(comps: Sequence[str], d: int) -> str | None:
+    """The candidate prefix of ``comps[d]`` if it is indexed, else ``None``.
+
+    Example:
+        >>> _indexed_prefix(["GPT", "h_3", "attn"], 1), _indexed_prefix(["T5", "block", "3"], 2)
+        ('h', 'block/')
+        >>> _indexed_prefix(["T5", "block"], 1) is None
+        True
+    """
+    c = comps[d]
+    if c.isdigit():
+        return f"{comps[d - 1]}/" if d > 0 else None
+    m = _INDEXED.match(c)
+    return m.group(1) if m else None
+
+
+def _layer_name(ident: tuple[str, ...]) -> str:
+    """A layer's name: its module path without the root module, keeping a bare number's
+    parent (``T5/encoder/block/3`` -> ``encoder/block/3``; ``layers/3`` stays)."""
+    keep = 2 if ident[-1].isdigit() else 1
+    return "/".join(ident[1:]) if len(ident) > keep else "/".join(ident)
 
 
 # -- scan ----------------------------------------------------------------------------------

@@ -504,9 +504,7 @@ def loss_fn(
     train = rng is not None and config.dropout > 0
     model = T5(config, deterministic=not train)
     rngs = {"dropout": rng} if train else {}
-    logits = model.apply(
-        {"params": params}, batch["inputs"], batch["decoder_inputs"], rngs=rngs
-    )
+    logits = model.apply({"params": params}, batch["inputs"], batch["decoder_inputs"], rngs=rngs)
     losses = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch["targets"]
     )
