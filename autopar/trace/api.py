@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from autopar.errors import TraceFunctionError
+from autopar.trace.accumulate import annotate_accumulation, find_accumulations
 from autopar.trace.build import make_node, scan_jaxpr
 from autopar.trace.graph import Graph, GraphInput, GraphOutput
 from autopar.trace.inline import inline_jaxpr
@@ -133,6 +134,13 @@ def graph_from_jaxpr(
         for i, vid in enumerate(raw.outvars)
     ]
     nodes = [make_node(r, phases[k], None, ()) for k, r in enumerate(raw.eqns)]
+    accumulations = []
+    for acc in find_accumulations(nodes, inputs, outputs):
+        # A loop running the model once per microbatch: its body gets the roles and layers
+        # the top level of an unrolled step would have (autopar.trace.accumulate).
+        body, acc = annotate_accumulation(nodes[acc.node], acc, inputs)
+        object.__setattr__(nodes[acc.node], "body", (body, *nodes[acc.node].body[1:]))
+        accumulations.append(acc)
     layers, node_layer = find_layers(nodes, inputs, outputs)
     for nid, k in node_layer.items():
         # The nodes are not shared yet: fill in the field the frozen dataclass left empty
@@ -140,7 +148,7 @@ def graph_from_jaxpr(
         object.__setattr__(nodes[nid], "layer", k)
     return Graph(
         nodes, raw.values, inputs, outputs, layers, jaxpr=inlined, in_tree=in_tree,
-        out_tree=out_tree, consts=tuple(raw.constvars),
+        out_tree=out_tree, consts=tuple(raw.constvars), accumulations=accumulations,
     )  # fmt: skip
 
 

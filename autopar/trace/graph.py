@@ -162,6 +162,7 @@ class Graph:
         out_tree: Any = None,
         consts: Sequence[int] = (),
         scope: tuple[tuple[int, int], ...] = (),
+        accumulations: Sequence[Any] = (),
     ) -> None:
         self.nodes: tuple[Node, ...] = tuple(nodes)
         self.values: dict[int, TensorInfo] = dict(values)
@@ -176,6 +177,10 @@ class Graph:
         # ``()`` for the traced function; for a loop body, the ``(node_id, body_index)``
         # path from the top-level graph (same convention as ``Node.scope``)
         self.scope: tuple[tuple[int, int], ...] = tuple(scope)
+        # gradient-accumulation loops the user wrote (``lax.scan`` over microbatches), as
+        # :class:`autopar.trace.accumulate.AccumulationScan` records; their bodies hold
+        # the layers (``self.nodes[a.node].body[0].layers``)
+        self.accumulations: tuple[Any, ...] = tuple(accumulations)
         self.producer: dict[int, int] = {}
         self.consumers: dict[int, list[int]] = {}
         edges: list[tuple[int, int, dict[str, int]]] = []
@@ -369,6 +374,14 @@ def _render_summary(graph: Graph, width: int = 110, max_layers: int = 40) -> str
             console.print(f"... {len(graph.layers) - len(shown)} more layers")
         in_layers = sum(layer.flops for layer in graph.layers)
         console.print(f"FLOPs in layers: {100 * in_layers / total:.1f}% of the total")
-    else:
+    elif not graph.accumulations:
         console.print("Layers: none found")
+    for acc in graph.accumulations:
+        body = graph.nodes[acc.node].body[0]
+        names = ", ".join(layer.name for layer in body.layers) or "none"
+        console.print(
+            f"Gradient accumulation: scan node {acc.node} over {acc.microbatches} microbatches, "
+            f"{len(acc.params)} parameters, {len(acc.accumulators)} accumulators; layers in "
+            f"its body: {names}"
+        )
     return console.export_text()
