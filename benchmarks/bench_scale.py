@@ -84,8 +84,10 @@ MEGATRON_CSV = Path(__file__).resolve().parents[2] / "shared/reference/megatron2
 
 @dataclass(frozen=True)
 class ScaleRow:
-    """One section-1 row: a zoo GPT preset, its global batch, the cluster's nodes, and the
-    search's time target in seconds."""
+    """One section-1 row: a zoo model preset (``family`` ``"gpt"`` or ``"moe"``, with
+    ``overrides`` of its config), its global batch, the cluster (``cluster`` preset,
+    ``nodes``), and the search's time target in seconds. ``uses``: a mesh axis the plan
+    must use (the long-context row must split the sequence, the MoE row the experts)."""
 
     name: str
     preset: str
@@ -93,7 +95,24 @@ class ScaleRow:
     nodes: int
     scan: bool
     target_s: float
+    family: str = "gpt"
+    cluster: str = CLUSTER
+    overrides: tuple[tuple[str, Any], ...] = ()
+    uses: str | None = None
 
+    def config(self) -> Any:
+        """The model's config (``GPTConfig`` or ``MoEConfig``)."""
+        if self.family == "moe":
+            from benchmarks.models.moe import MoEConfig as Config
+        else:
+            from benchmarks.models.gpt import GPTConfig as Config
+        return Config.preset(self.preset, scan_layers=self.scan, **dict(self.overrides))
+
+
+# Long context: 128k tokens per sequence with memory-efficient attention over 2048-token
+# key chunks (the scores of all 128k keys would not fit anywhere); Mixtral 8x7B's sizes on
+# the zoo MoE (32 layers of 8 experts, top 2, expert width 14336, hidden 4096).
+LONG_CONTEXT = (("seq_len", 131072), ("attention_chunk", 2048))
 
 ROWS = (
     ScaleRow("gpt3-175b-scan", "gpt3-175b", 1536, 128, True, 60.0),
@@ -102,7 +121,15 @@ ROWS = (
     ScaleRow("megatron-1t-unrolled", "megatron-1t", 3072, 384, False, 120.0),
     ScaleRow("gpt2-small", "gpt2-small", 8, 1, True, 10.0),
     ScaleRow("tiny", "tiny", 8, 1, True, 3.0),
-)
+    ScaleRow(
+        "gpt3-1.3b-128k", "gpt3-1.3b", 8, 8, True, 300.0,
+        cluster="dgx-h100", overrides=LONG_CONTEXT, uses="seq",
+    ),
+    ScaleRow(
+        "mixtral-8x7b", "mixtral-8x7b", 256, 8, True, 300.0,
+        family="moe", cluster="dgx-h100", uses="expert",
+    ),
+)  # fmt: skip
 QUICK = ("gpt3-175b-scan", "gpt2-small", "tiny")
 
 
@@ -185,19 +212,22 @@ def _pipeline_cells(plan: Any) -> dict[str, Any]:
 def scale_row(row: ScaleRow) -> dict[str, Any]:
     """Plan one section-1 row from scratch and price it; the table's row as a dict."""
     import autopar
-    from benchmarks.models.gpt import GPTConfig, make_train_step
+    from benchmarks.models.gpt import make_train_step
     from cost_models import Cluster
     from cost_models.memory import megatron_flops_per_iteration
 
-    cfg = GPTConfig.preset(row.preset, scan_layers=row.scan)
+    cfg = row.config()
+    if row.family == "moe":
+        from benchmarks.models.moe import make_train_step
     step, args = make_train_step(cfg, row.batch)
-    cluster = Cluster.preset(CLUSTER, nodes=row.nodes)
+    cluster = Cluster.preset(row.cluster, nodes=row.nodes)
     out: dict[str, Any] = {
         "row": row.name,
-        "params": cfg.num_params(),
+        "params": param_count(args[0]),
         "devices": cluster.num_devices,
         "target_s": row.target_s,
         "limit_bytes": float(cluster.device.hbm_bytes),
+        "uses": row.uses,
     }
     t0 = time.perf_counter()
     try:
@@ -216,12 +246,28 @@ def scale_row(row: ScaleRow) -> dict[str, Any]:
         model_flops=flops,
         megatron_flops=megatron_flops_per_iteration(
             row.batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size, recompute=False
-        ),
+        )
+        if row.family == "gpt"
+        else None,
         tflops=tflops_per_device(flops, pred.step_time_s, plan.num_devices),
         memory_bytes=pred.memory_bytes_per_device,
         fits=pred.memory_bytes_per_device <= out["limit_bytes"],
+        used=row.uses is None or plan.mesh.get(row.uses, 1) > 1,
     )
     return out
+
+
+def param_count(state: Any) -> int:
+    """Parameters in a zoo train state (``state["params"]``, concrete or abstract).
+
+    Example:
+        >>> import jax
+        >>> param_count({"params": {"w": jax.ShapeDtypeStruct((3, 4), "float32")}})
+        12
+    """
+    import jax
+
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
 
 
 _CHILD_MARK = "bench_scale row: "
@@ -264,6 +310,7 @@ SCALE_COLUMNS = (
     ("tflops", "TFLOP/s/GPU"),
     ("memory", "mem GiB / bound"),
     ("fits", "fits"),
+    ("used", "uses"),
 )
 
 
@@ -295,6 +342,7 @@ def scale_cells(r: dict[str, Any]) -> list[str]:
         tflops=f"{r['tflops']:.1f}",
         memory=f"{r['memory_bytes'] / GIB:.1f} / {r['limit_bytes'] / GIB:.1f}",
         fits="yes" if r["fits"] else "NO",
+        used="-" if not r.get("uses") else f"{r['uses']} {'yes' if r['used'] else 'NO'}",
     )
     return [base[k] for k, _ in SCALE_COLUMNS]
 
@@ -555,9 +603,11 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(scale_cells(r))
             print("  " + " | ".join(cells[-1]), flush=True)
             failed |= "error" in r or r["search_s"] > r["target_s"]
+            failed |= "error" not in r and not (r["fits"] and r["used"])
         print(
             _table(
-                f"The planner's full search at scale ({CLUSTER}; each row a fresh process)",
+                "The planner's full search at scale (each row a fresh process; "
+                f"{CLUSTER} unless named)",
                 tuple(h for _, h in SCALE_COLUMNS),
                 cells,
             )
@@ -565,9 +615,13 @@ def main(argv: list[str] | None = None) -> int:
         print("TFLOP/s/GPU = model FLOPs (traced forward + backward) / predicted step time / GPUs")
         for r in results:
             if "model_flops" in r:
+                megatron = (
+                    f", Megatron's 72Bslh^2(..) {r['megatron_flops']:.4g}"
+                    if r.get("megatron_flops")
+                    else ""
+                )
                 print(
-                    f"{r['row']}: model FLOPs/step traced {r['model_flops']:.4g}, Megatron's "
-                    f"72Bslh^2(..) {r['megatron_flops']:.4g}, "
+                    f"{r['row']}: model FLOPs/step traced {r['model_flops']:.4g}{megatron}, "
                     f"predicted step {r['step_time_s']:.4g} s"
                 )
     if a.json:

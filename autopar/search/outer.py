@@ -605,6 +605,9 @@ def _price(
         acc = plan_accumulation(fn, args, c.microbatches, full=graph)
     except AccumulateError as e:
         return _Priced(c.label, None, None, _unfit(c, str(e)))
+    # The sub-mesh's axes are named by what the solution splits with them (an axis the
+    # group calls ``tensor`` that splits experts is ``expert``), so the plan's names say
+    # what each axis does.
     if c.pipe == 1:
         try:
             q = plan_graph(
@@ -612,14 +615,17 @@ def _price(
                 cluster,
                 _inner_options(options, c.sub_mesh, c.microbatches, limit),
                 accumulation=acc,
+                name_by_role=True,
             )
         except (InfeasiblePlanError, SolveShardingError) as e:
             return _Priced(c.label, None, None, _unfit(c, str(e)))
-        return _Priced(c.label, q, q.predicted, replace(q.shortlist[0], label=c.label, verdict=""))
+        label = _relabel(c, q.mesh)
+        return _Priced(label, q, q.predicted, replace(q.shortlist[0], label=label, verdict=""))
 
     def priced(inner: Plan | None) -> tuple[Plan, Any]:
+        mesh = c.mesh if inner is None else {"pipe": c.pipe, **inner.mesh}
         return price_pipeline(
-            fn, args, graph, cluster, c.mesh, c.microbatches, c.schedule, c.virtual_stages,
+            fn, args, graph, cluster, mesh, c.microbatches, c.schedule, c.virtual_stages,
             c.remat, inner, acc, limit,
         )  # fmt: skip
 
@@ -637,7 +643,7 @@ def _price(
         try:
             inner = plan_graph(
                 graph, cluster, _inner_options(options, c.sub_mesh, c.microbatches, bound),
-                accumulation=acc,
+                accumulation=acc, name_by_role=True,
             )  # fmt: skip
         except (InfeasiblePlanError, SolveShardingError):
             break
@@ -650,7 +656,17 @@ def _price(
     if best is None:
         return _Priced(c.label, None, None, _unfit(c, "the stages' layouts do not fit"))
     plan, ev = best
-    return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev))
+    label = _relabel(c, plan.mesh)
+    return _Priced(label, plan, ev, candidate(label, plan.mesh, ev))
+
+
+def _relabel(c: PipelineConfig, mesh: Mapping[str, int]) -> str:
+    """``c``'s label with the mesh as solved (its axes named by role)."""
+    if list(mesh.items()) == list(c.mesh.items()):
+        return c.label
+    old = " x ".join(f"{a} {n}" for a, n in c.mesh.items())
+    new = " x ".join(f"{a} {n}" for a, n in mesh.items())
+    return c.label.replace(old, new, 1)
 
 
 def _unfit(c: PipelineConfig, why: str):

@@ -164,6 +164,7 @@ def plan_graph(
     *,
     results: list | None = None,
     accumulation: Any = None,
+    name_by_role: bool = False,
 ) -> Plan:
     """Search a parallel plan for a traced training step.
 
@@ -175,6 +176,9 @@ def plan_graph(
         accumulation: the step analysed for microbatching
             (:func:`autopar.lower.split.plan_accumulation`), needed when the options ask
             for microbatches (``autopar.plan`` makes it from the step function).
+        name_by_role: name the axes of a fixed ``options.mesh`` by what the solution
+            splits with them (as an open mesh's are: ``expert`` for an expert dimension,
+            ``data`` for the batch, ...); the outer loop solves stage sub-meshes this way.
 
     Returns:
         The plan with the lowest predicted step time that fits the memory bound; its
@@ -215,7 +219,9 @@ def plan_graph(
             bp = build_problem(graph, cluster, mesh, options, limit, accumulation)
             tried.append(MeshResult(mesh, step_lower_bound(bp), bp))
             bar.advance(f"built {_mesh_str(mesh)}")
-        best = _solve_meshes(tried, graph, cluster, options, limit, accumulation, allowed, bar)
+        best = _solve_meshes(
+            tried, graph, cluster, options, limit, accumulation, allowed, bar, name_by_role
+        )
     if best is None:
         if results is not None:
             results.extend(tried)
@@ -293,10 +299,11 @@ def _solve_meshes(
     accumulation: Any,
     allowed: Any,
     bar: SearchProgress,
+    name_by_role: bool = False,
 ) -> MeshResult | None:
     """Solve the meshes in ``tried`` (most promising first, skipping those whose bound
     cannot win); ``tried`` receives each mesh's result. Returns the best that fits."""
-    rename_roles = options.mesh is None and options.zero_stage is None
+    rename_roles = (options.mesh is None or name_by_role) and options.zero_stage is None
     best: MeshResult | None = None
     # The most promising mesh first (by its step-time lower bound; fewer axes on a tie):
     # it sets the incumbent that lets the others be skipped or solved briefly.

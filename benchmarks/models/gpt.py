@@ -70,6 +70,11 @@ class GPTConfig:
             branches (Megatron's placement); 0 disables it.
         scan_layers: ``nn.scan`` over the blocks (params get a leading layer axis).
         precision: ``"mixed"`` (bf16 params/compute, fp32 master + Adam) or ``"fp32"``.
+        attention_chunk: ``None``: attention materialises the ``[b, heads, s, s]`` scores.
+            An int: memory-efficient attention over key chunks of this many positions
+            (:func:`chunked_attention`), what long-context training needs: the scores of
+            one chunk at a time, recomputed in the backward pass. Must divide ``seq_len``;
+            not with dropout.
 
     Example:
         >>> GPTConfig.preset("gpt2-small").ffn_hidden
@@ -89,6 +94,7 @@ class GPTConfig:
     dropout: float = 0.0
     scan_layers: bool = True
     precision: Precision = "mixed"
+    attention_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "hidden", "layers", "heads"):
@@ -118,6 +124,17 @@ class GPTConfig:
             object.__setattr__(self, "ffn_hidden", ffn)
         if self.ffn_hidden < 1:
             raise ValueError(f"ffn_hidden={self.ffn_hidden} must be >= 1")
+        if self.attention_chunk is not None:
+            c = self.attention_chunk
+            if not isinstance(c, int) or c < 1 or self.seq_len % c:
+                raise ValueError(
+                    f"attention_chunk={c!r} must be a positive divisor of seq_len={self.seq_len}"
+                )
+            if self.dropout > 0:
+                raise ValueError(
+                    "attention_chunk does not take attention dropout: set dropout=0.0 or "
+                    "attention_chunk=None"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -200,6 +217,56 @@ def _normal(std: float) -> Callable[..., jax.Array]:
     return nn.initializers.normal(stddev=std)
 
 
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
+    """Causal softmax attention over key chunks, never holding more than one chunk's scores.
+
+    The online softmax of memory-efficient attention (Rabe & Staats 2021, "Self-attention
+    does not need O(n^2) memory"; FlashAttention's recurrence, Dao et al. 2022): a
+    ``lax.scan`` over the ``s / chunk`` key chunks keeps the running row maximum ``m``, the
+    running normaliser ``l`` and the unnormalised output; each chunk's body is
+    ``jax.checkpoint``-ed, so the backward pass recomputes a chunk's scores instead of
+    storing them. Scores and the softmax are float32; the result has ``q``'s dtype.
+
+    Args:
+        q, k, v: ``[batch, seq, heads, head_dim]`` (``k``/``v`` already repeated to all
+            heads).
+        chunk: key positions per step; divides ``seq``.
+
+    Example:
+        >>> q = k = v = jnp.ones((1, 4, 1, 2))
+        >>> chunked_attention(q, k, v, 2).shape
+        (1, 4, 1, 2)
+    """
+    b, s, h, d = q.shape
+    n = s // chunk
+    kc = k.reshape(b, n, chunk, h, d).swapaxes(0, 1)
+    vc = v.reshape(b, n, chunk, h, d).swapaxes(0, 1)
+    q_pos = jnp.arange(s, dtype=jnp.int32)
+    lowest = jnp.finfo(jnp.float32).min
+
+    @jax.checkpoint
+    def step(carry, xs):
+        out, top, norm = carry  # [b, h, s, d], [b, h, s], [b, h, s]: float32
+        k_j, v_j, j = xs
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_j).astype(jnp.float32) / math.sqrt(d)
+        k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        scores = jnp.where(q_pos[:, None] >= k_pos[None, :], scores, lowest)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        probs = jnp.exp(scores - new_top[..., None])
+        fade = jnp.exp(top - new_top)
+        norm = norm * fade + probs.sum(axis=-1)
+        pv = jnp.einsum("bhqk,bkhd->bhqd", probs.astype(v.dtype), v_j).astype(jnp.float32)
+        return (out * fade[..., None] + pv, new_top, norm), None
+
+    init = (
+        jnp.zeros((b, h, s, d), jnp.float32),
+        jnp.full((b, h, s), lowest, jnp.float32),
+        jnp.zeros((b, h, s), jnp.float32),
+    )
+    (out, _, norm), _ = jax.lax.scan(step, init, (kc, vc, jnp.arange(n, dtype=jnp.int32)))
+    return (out / norm[..., None]).astype(q.dtype).transpose(0, 2, 1, 3)
+
+
 class CausalSelfAttention(nn.Module):
     """Causal (grouped-query) multi-head self-attention with q/k/v/out projections."""
 
@@ -210,6 +277,7 @@ class CausalSelfAttention(nn.Module):
     out_init_std: float
     deterministic: bool = True
     dtype: Any = jnp.float32
+    chunk: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -226,6 +294,9 @@ class CausalSelfAttention(nn.Module):
             # GQA: every group of heads // kv_heads query heads shares one k/v head.
             k = jnp.repeat(k, self.heads // self.kv_heads, axis=2)
             v = jnp.repeat(v, self.heads // self.kv_heads, axis=2)
+        if self.chunk is not None:
+            out = chunked_attention(q, k, v, self.chunk).reshape(b, s, self.heads * d)
+            return dense(self.hidden, "out", self.out_init_std)(out)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(d)
         causal = jax.lax.broadcasted_iota(jnp.int32, (s, s), 0) >= jax.lax.broadcasted_iota(
             jnp.int32, (s, s), 1
@@ -280,6 +351,7 @@ class Block(nn.Module):
             out_init_std=out_std,
             deterministic=self.deterministic,
             dtype=dtype,
+            chunk=cfg.attention_chunk,
             name="attn",
         )(h)
         x = x + _dropout(cfg.dropout, self.deterministic, "attn_resid_drop")(h)

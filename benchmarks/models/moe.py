@@ -155,6 +155,13 @@ MOE_PRESETS: dict[str, MoEConfig] = {
     "alpa-moe-27b": _alpa(2048, 16, 48),
     "alpa-moe-70b": _alpa(2048, 32, 64),
 }
+# Mixtral 8x7B's sizes (Jiang et al. 2024, table 1: dim 4096, 32 layers, 32 heads, FFN
+# 14336, 8 experts, top 2, vocabulary 32000) on this GPT-like block: an expert in every
+# layer, gelu experts of two matrices (Mixtral's are SwiGLU, three), full multi-head
+# attention (Mixtral's has 8 KV heads), 4096-token sequences.
+MOE_PRESETS["mixtral-8x7b"] = MoEConfig(
+    32000, 4096, 4096, 32, 32, num_experts=8, top_k=2, expert_ffn=14336, moe_every=1
+)
 # The GShard-style ~1B model the brief asks for is Alpa's "1.3B" row.
 MOE_PRESETS["gshard-1b"] = MOE_PRESETS["alpa-moe-1.3b"]
 

@@ -351,3 +351,50 @@ def test_llama3_8b_preset():
     assert (config.vocab_size, config.hidden, config.layers, config.heads) == (128256, 4096, 32, 32)
     assert (config.kv_heads, config.ffn_hidden, config.activation) == (8, 14336, "swiglu")
     assert config.seq_len == 8192 and config.head_dim == 128
+
+
+def _naive_causal_attention(q, k, v):
+    # The textbook formula, written out: softmax(q k^T / sqrt(d) + causal mask) v.
+    d = q.shape[-1]
+    s = q.shape[1]
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_chunked_attention_equals_the_textbook_formula(chunk):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 16, 3, 8)).astype(np.float32) for _ in range(3))
+    got = gpt.chunked_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), chunk)
+    np.testing.assert_allclose(np.asarray(got), _naive_causal_attention(q, k, v), atol=1e-5)
+
+
+def test_chunked_attention_gpt_trains_like_full_attention():
+    full = GPTConfig.preset("tiny", precision="fp32")
+    chunked = GPTConfig.preset("tiny", precision="fp32", attention_chunk=8)
+    step, args = gpt.make_train_step(full, 4, abstract=False)
+    step_c, _ = gpt.make_train_step(chunked, 4, abstract=False)
+    (new, loss), (new_c, loss_c) = jax.jit(step)(*args), jax.jit(step_c)(*args)
+    np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new_c), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+def test_chunked_attention_holds_one_chunk_of_scores():
+    # No [heads, s, s] scores anywhere in the traced step: the largest float32 value
+    # inside the attention is one chunk's [b, heads, s, chunk].
+    cfg = GPTConfig.preset("tiny", seq_len=64, attention_chunk=16, scan_layers=False)
+    step, args = gpt.make_train_step(cfg, 2)
+    text = str(jax.make_jaxpr(step)(*args))
+    assert "f32[2,4,64,64]" not in text and "f32[2,4,64,16]" in text
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"attention_chunk": 5}, {"attention_chunk": 8, "dropout": 0.1}]
+)
+def test_bad_attention_chunk_is_refused(overrides):
+    with pytest.raises(ValueError, match="attention_chunk"):
+        GPTConfig.preset("tiny", **overrides)
