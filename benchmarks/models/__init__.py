@@ -1,7 +1,8 @@
 """The autopar model zoo: real train steps to trace, plan and run.
 
 Every model module (:mod:`~benchmarks.models.gpt`, :mod:`~benchmarks.models.moe`,
-:mod:`~benchmarks.models.wide_resnet`, :mod:`~benchmarks.models.mlp`) exposes a frozen
+:mod:`~benchmarks.models.wide_resnet`, :mod:`~benchmarks.models.mlp`,
+:mod:`~benchmarks.models.t5`) exposes a frozen
 config dataclass with ``.preset(name, **overrides)`` (also at module level, ``preset(name,
 **overrides)``) and
 
@@ -23,11 +24,12 @@ Example:
     >>> jaxpr = jax.make_jaxpr(step)(state, batch)
 """
 
-from benchmarks.models import gpt, mlp, moe, precision, train_step, wide_resnet
+from benchmarks.models import gpt, mlp, moe, precision, t5, train_step, wide_resnet
 from benchmarks.models.gpt import GPTConfig
 from benchmarks.models.mlp import MLPConfig
 from benchmarks.models.moe import MoEConfig
 from benchmarks.models.precision import AdamW, Precision
+from benchmarks.models.t5 import T5Config
 from benchmarks.models.wide_resnet import WideResNetConfig
 
 __all__ = [
@@ -36,11 +38,13 @@ __all__ = [
     "MLPConfig",
     "MoEConfig",
     "Precision",
+    "T5Config",
     "WideResNetConfig",
     "gpt",
     "mlp",
     "moe",
     "precision",
+    "t5",
     "train_step",
     "wide_resnet",
 ]

@@ -152,9 +152,17 @@ class T5Config:
     def preset(cls, name: str, **overrides: Any) -> T5Config:
         """A named configuration, with any field overridden.
 
+        Overriding ``layers`` (``seq_len``) also sets ``decoder_layers`` (``target_len``)
+        when the preset has them equal and the override does not name them.
+
         Raises:
             ValueError: ``name`` is not in :data:`T5_PRESETS`.
         """
+        base = T5_PRESETS.get(name)
+        for enc, dec in (("layers", "decoder_layers"), ("seq_len", "target_len")):
+            if base is not None and enc in overrides and dec not in overrides:
+                if getattr(base, enc) == getattr(base, dec):
+                    overrides = {**overrides, dec: overrides[enc]}
         return lookup_preset("T5", T5_PRESETS, name, overrides)
 
 
