@@ -140,8 +140,8 @@ def mlp_problems():
 def test_cpsat_proto_equals_the_modelling_calls(mlp_problems, minimize):
     for problem in [_hand_problem(), *mlp_problems]:
         cp = solver._presolve(problem, minimize)
-        model, first, _ = solver._cpsat_model(problem, cp, minimize)
-        assert str(model.proto) == str(_reference_model(problem, cp, minimize).proto)
+        proto, first, _ = solver._cpsat_model(problem, cp, minimize)
+        assert str(proto) == str(_reference_model(problem, cp, minimize).proto)
         assert list(first) == list(cp.unary)
 
 
