@@ -19,6 +19,7 @@ planning, not a faithful Llama.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal, get_args
@@ -217,15 +218,18 @@ def _normal(std: float) -> Callable[..., jax.Array]:
     return nn.initializers.normal(stddev=std)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
     """Causal softmax attention over key chunks, never holding more than one chunk's scores.
 
-    The online softmax of memory-efficient attention (Rabe & Staats 2021, "Self-attention
-    does not need O(n^2) memory"; FlashAttention's recurrence, Dao et al. 2022): a
-    ``lax.scan`` over the ``s / chunk`` key chunks keeps the running row maximum ``m``, the
-    running normaliser ``l`` and the unnormalised output; each chunk's body is
-    ``jax.checkpoint``-ed, so the backward pass recomputes a chunk's scores instead of
-    storing them. Scores and the softmax are float32; the result has ``q``'s dtype.
+    FlashAttention's recurrence (Dao et al. 2022; Dao 2023, algorithms 1 and 2; the
+    memory-efficient attention of Rabe & Staats 2021), written with ``lax.scan``: the
+    forward pass keeps a running row maximum, normaliser and unnormalised output over the
+    ``s / chunk`` key chunks and saves only ``q, k, v``, the output and the rows'
+    log-sum-exp; the backward pass recomputes each chunk's scores from them. Memory is
+    ``O(s)`` per head, not ``O(s^2)``; FLOPs are the full attention's (masked chunks are
+    computed too) plus the recomputed scores. Scores and the softmax are float32; the
+    result has ``q``'s dtype.
 
     Args:
         q, k, v: ``[batch, seq, heads, head_dim]`` (``k``/``v`` already repeated to all
@@ -237,34 +241,84 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> j
         >>> chunked_attention(q, k, v, 2).shape
         (1, 4, 1, 2)
     """
-    b, s, h, d = q.shape
-    n = s // chunk
-    kc = k.reshape(b, n, chunk, h, d).swapaxes(0, 1)
-    vc = v.reshape(b, n, chunk, h, d).swapaxes(0, 1)
-    q_pos = jnp.arange(s, dtype=jnp.int32)
-    lowest = jnp.finfo(jnp.float32).min
+    return _flash_forward(q, k, v, chunk)[0]
 
-    @jax.checkpoint
+
+_LOWEST = float(jnp.finfo(jnp.float32).min)
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    b, s, h, d = x.shape
+    return x.reshape(b, s // chunk, chunk, h, d).swapaxes(0, 1)
+
+
+def _chunk_scores(q: jax.Array, k_j: jax.Array, j: jax.Array, chunk: int) -> jax.Array:
+    """``q k_j^T / sqrt(d)`` in float32, causally masked: ``[b, heads, s, chunk]``."""
+    s, d = q.shape[1], q.shape[3]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_j).astype(jnp.float32) / math.sqrt(d)
+    q_pos = jnp.arange(s, dtype=jnp.int32)
+    k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    return jnp.where(q_pos[:, None] >= k_pos[None, :], scores, _LOWEST)
+
+
+def _flash_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(out [b, s, heads, d], log-sum-exp [b, heads, s])``."""
+    b, s, h, d = q.shape
+
     def step(carry, xs):
-        out, top, norm = carry  # [b, h, s, d], [b, h, s], [b, h, s]: float32
+        acc, top, norm = carry  # [b, h, s, d], [b, h, s], [b, h, s]: float32
         k_j, v_j, j = xs
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_j).astype(jnp.float32) / math.sqrt(d)
-        k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        scores = jnp.where(q_pos[:, None] >= k_pos[None, :], scores, lowest)
+        scores = _chunk_scores(q, k_j, j, chunk)
         new_top = jnp.maximum(top, scores.max(axis=-1))
         probs = jnp.exp(scores - new_top[..., None])
         fade = jnp.exp(top - new_top)
-        norm = norm * fade + probs.sum(axis=-1)
         pv = jnp.einsum("bhqk,bkhd->bhqd", probs.astype(v.dtype), v_j).astype(jnp.float32)
-        return (out * fade[..., None] + pv, new_top, norm), None
+        return (acc * fade[..., None] + pv, new_top, norm * fade + probs.sum(axis=-1)), None
 
     init = (
         jnp.zeros((b, h, s, d), jnp.float32),
-        jnp.full((b, h, s), lowest, jnp.float32),
+        jnp.full((b, h, s), _LOWEST, jnp.float32),
         jnp.zeros((b, h, s), jnp.float32),
     )
-    (out, _, norm), _ = jax.lax.scan(step, init, (kc, vc, jnp.arange(n, dtype=jnp.int32)))
-    return (out / norm[..., None]).astype(q.dtype).transpose(0, 2, 1, 3)
+    steps = (_chunks(k, chunk), _chunks(v, chunk), jnp.arange(s // chunk, dtype=jnp.int32))
+    (acc, top, norm), _ = jax.lax.scan(step, init, steps)
+    out = (acc / norm[..., None]).astype(q.dtype).transpose(0, 2, 1, 3)
+    return out, top + jnp.log(norm)
+
+
+def _flash_fwd(q, k, v, chunk):
+    out, lse = _flash_forward(q, k, v, chunk)
+    return out, (q, k, v, out, lse)
+
+
+def _flash_bwd(chunk, res, d_out):
+    q, k, v, out, lse = res
+    b, s, h, d = q.shape
+    # D_i = sum_d dO_i O_i: the softmax's backward term (FlashAttention-2, algorithm 2).
+    dots = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+    def step(dq, xs):
+        k_j, v_j, j = xs
+        probs = jnp.exp(_chunk_scores(q, k_j, j, chunk) - lse[..., None])
+        dv_j = jnp.einsum("bhqk,bqhd->bkhd", probs.astype(d_out.dtype), d_out)
+        dp = jnp.einsum("bqhd,bkhd->bhqk", d_out, v_j).astype(jnp.float32)
+        ds = (probs * (dp - dots[..., None]) / math.sqrt(d)).astype(q.dtype)
+        dq = dq + jnp.einsum("bhqk,bkhd->bqhd", ds, k_j).astype(jnp.float32)
+        dk_j = jnp.einsum("bhqk,bqhd->bkhd", ds, q)
+        return dq, (dk_j, dv_j)
+
+    steps = (_chunks(k, chunk), _chunks(v, chunk), jnp.arange(s // chunk, dtype=jnp.int32))
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), steps)
+
+    def whole(x: jax.Array) -> jax.Array:
+        return x.swapaxes(0, 1).reshape(b, s, h, d)
+
+    return dq.astype(q.dtype), whole(dk).astype(k.dtype), whole(dv).astype(v.dtype)
+
+
+chunked_attention.defvjp(_flash_fwd, _flash_bwd)
 
 
 class CausalSelfAttention(nn.Module):

@@ -398,3 +398,21 @@ def test_chunked_attention_holds_one_chunk_of_scores():
 def test_bad_attention_chunk_is_refused(overrides):
     with pytest.raises(ValueError, match="attention_chunk"):
         GPTConfig.preset("tiny", **overrides)
+
+
+def test_chunked_attention_gradients_equal_full_attention_gradients():
+    # The custom backward pass (FlashAttention-2's) against autodiff of the plain formula.
+    def full(q, k, v):
+        d, s = q.shape[-1], q.shape[1]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d)
+        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+    rng = np.random.default_rng(1)
+    q, k, v, w = (jnp.asarray(rng.standard_normal((2, 16, 3, 8)), jnp.float32) for _ in range(4))
+    want = jax.grad(lambda *a: (full(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(lambda *a: (gpt.chunked_attention(*a, 4) * w).sum(), argnums=(0, 1, 2))(
+        q, k, v
+    )
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5)
