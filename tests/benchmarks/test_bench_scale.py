@@ -83,7 +83,15 @@ def test_cells_and_atomic_json(tmp_path):
     }
     cells = bench_scale.scale_cells(ok)
     assert len(cells) == len(bench_scale.SCALE_COLUMNS)
-    assert cells[3:6] == ["1.5", "3 pass", "data8"] and cells[-3:] == ["1.2", "1.0 / 74.5", "yes"]
+    assert cells[3:6] == ["1.5", "3 pass", "data8"] and cells[-4:] == [
+        "1.2",
+        "1.0 / 74.5",
+        "yes",
+        "-",
+    ]
+    # A row that must use an axis says whether its plan did.
+    seq = bench_scale.scale_cells({**ok, "uses": "seq", "used": False})
+    assert seq[-1] == "seq NO"
     bad = {k: ok[k] for k in ("row", "params", "devices", "target_s", "limit_bytes")}
     bad.update(search_s=4.0, error="InfeasiblePlanError: nothing fits")
     cells = bench_scale.scale_cells(bad)
