@@ -164,3 +164,24 @@ def test_preset_overrides_carry_to_the_decoder():
         T5Config.preset("t5-xxxl")
     with pytest.raises(ValueError, match="feed_forward"):
         T5Config.preset("tiny", feed_forward="swiglu")
+
+
+@pytest.mark.slow  # ~20 s of CPU: plan, compile for 8 devices, 3 + 3 steps against jax.jit
+def test_autoparallel_matches_single_device_and_splits_the_batch():
+    import autopar
+    from tests.lower._zoo import check_against_single_device
+
+    cfg = T5Config.preset("tiny", precision="fp32")
+    step, args = t5.make_train_step(cfg, 32, abstract=False)
+    # one DGX node's 8 GPUs, planned for and run on the 8 simulated CPU devices
+    fast = autopar.autoparallel(step, cluster="dgx-a100-80gb", cache=False)
+    plan = fast.plan_for(*args)
+    check_against_single_device(step, args, fast)
+    # 32 sequence pairs are worth splitting: every batch input's batch dim goes over data
+    assert plan.mesh["data"] > 1
+    specs = {r.path: tuple(r.spec) for r in plan.inputs}
+    for name in ("inputs", "decoder_inputs", "targets"):
+        assert specs[f"batch/{name}"] == ("data", None), name
+    # the plan's per-layer table names every block of both stacks
+    named = {s.layer for s in plan.layers}
+    assert {f"{s}/block/{i}" for s in ("encoder", "decoder") for i in range(2)} <= named
