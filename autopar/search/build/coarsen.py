@@ -15,7 +15,8 @@
 * **Families.** A parameter and its optimizer state take one layout (unless ZeRO 1/2
   shards the state alone): :func:`match_optimizer_state` pairs them, and their groups
   become one alias set. :func:`tie_layers` (run on priced groups) ties structurally
-  identical unrolled layers, so the solver decides one layer.
+  identical unrolled layers, at the top level and inside a gradient-accumulation loop's
+  body (:func:`layer_scopes`), so the solver decides one layer.
 
 Example: the MLP train step on 8 devices; ``state/params/layer_0/w`` (input 10) and its
 Adam moments ``mu`` and ``nu`` (inputs 2 and 6) take one layout.
@@ -38,11 +39,11 @@ from dataclasses import dataclass, field, replace
 
 from autopar.primitives import select
 from autopar.search.build.catalog import StrategyCatalog
-from autopar.search.build.flatten import Flat
+from autopar.search.build.flatten import Flat, scan_ok
 from autopar.search.build.records import Group, GroupShape, Op, Ref, Scope
 from autopar.search.sharding import Sharding
 from autopar.search.strategies import FOLLOWABLE, can_follow
-from autopar.trace.graph import Graph
+from autopar.trace.graph import Graph, Layer
 
 
 @dataclass(frozen=True)
@@ -345,52 +346,93 @@ def same_layouts(a: Group, b: Group) -> bool:
     )
 
 
+def layer_scopes(graph: Graph, scope: Scope = ()) -> list[tuple[Scope, tuple[Layer, ...]]]:
+    """Every scope that has layers, with them: the top level's ``graph.layers``, and the
+    body layers of each scan flattened into a scope of its own (a user's
+    gradient-accumulation loop: its body runs the whole model once per microbatch and
+    its layers are found on the body graph).
+
+    Example: the MLP train step has its layers at the top level and no loops.
+
+        >>> [(s, len(layers)) for s, layers in layer_scopes(graph)]
+        [((), 2)]
+    """
+    out: list[tuple[Scope, tuple[Layer, ...]]] = []
+    if graph.layers:
+        out.append((scope, tuple(graph.layers)))
+    for node in graph.nodes:
+        if node.primitive == "scan" and scan_ok(node):
+            out += layer_scopes(node.body[0], scope + ((node.id, 0),))
+    return out
+
+
 def tie_layers(
     coarse: Coarse, groups: Sequence[Group], catalog: StrategyCatalog, *, coarsen: bool = True
 ) -> list[tuple[int, ...]]:
-    """Alias the groups of structurally identical unrolled layers to one representative:
-    leaders at the same position, and the inputs (parameters) the layers read."""
-    graph = coarse.graph
-    if not coarsen or not graph.layers:
+    """Alias the groups of structurally identical layers to one representative: leaders at
+    the same position, and the inputs (parameters) the layers read.
+
+    Layers are matched within each scope of :func:`layer_scopes` (the top level, and the
+    body of a gradient-accumulation loop), their ops by ``(scope, node id)``. Inside a
+    loop body a layer reads its parameters through loop inputs (``body_input`` ops, which
+    follow the parameter entering the loop): their groups are tied like a top-level
+    layer's graph inputs.
+    """
+    if not coarsen:
         return []
-    by_sig: dict[str, list] = {}
-    for layer in graph.layers:
-        if layer.signature and layer.kind != "scan":
-            by_sig.setdefault(layer.signature, []).append(layer)
-    node_op = {nid: oi for oi, (_, nid) in coarse.flat.layer_of_op.items()}
+    node_ops = coarse.flat.node_ops
     ops, where = coarse.ops, coarse.where
     ties: list[tuple[int, ...]] = []
-    for layers in by_sig.values():
-        if len(layers) < 2:
-            continue
-        rep = layers[0]
-        for other in layers[1:]:
-            if len(other.nodes) != len(rep.nodes):
-                continue
-            for a, b in zip(rep.nodes, other.nodes, strict=True):
-                oa, ob = node_op.get(a), node_op.get(b)
-                if oa is None or ob is None or oa not in where or ob not in where:
+    for scope, layers in layer_scopes(coarse.graph):
+        by_sig: dict[str, list[Layer]] = {}
+        for layer in layers:
+            if layer.signature and layer.kind != "scan":
+                by_sig.setdefault(layer.signature, []).append(layer)
+        for same in by_sig.values():
+            rep = same[0]
+            for other in same[1:]:
+                if len(other.nodes) != len(rep.nodes):
                     continue
-                if catalog.key(ops[oa]) != catalog.key(ops[ob]):
-                    continue
-                ga, pa = where[oa]
-                gb, pb = where[ob]
-                if pa == 0 and pb == 0 and ga != gb and same_layouts(groups[ga], groups[gb]):
-                    ties.append((ga, gb))
-                for ra, rb in zip(ops[oa].operands, ops[ob].operands, strict=True):
-                    if ra is None or rb is None:
+                for a, b in zip(rep.nodes, other.nodes, strict=True):
+                    oa, ob = node_ops.get((scope, a)), node_ops.get((scope, b))
+                    if oa is None or ob is None or oa not in where or ob not in where:
                         continue
-                    ia, ib = ops[ra.op], ops[rb.op]
-                    if (
-                        ia.kind == "input"
-                        and ib.kind == "input"
-                        and ia.index in where
-                        and ib.index in where
-                    ):
-                        gia, gib = where[ia.index][0], where[ib.index][0]
-                        if gia != gib and same_layouts(groups[gia], groups[gib]):
-                            ties.append((gia, gib))
+                    if catalog.key(ops[oa]) != catalog.key(ops[ob]):
+                        continue
+                    ties += _tie_ops(ops, where, groups, ops[oa], ops[ob])
     return ties
+
+
+# Ops a layer reads its parameters through: graph inputs, and loop inputs in a loop body.
+_INPUT_KINDS: frozenset[str] = frozenset({"input", "body_input"})
+
+
+def _tie_ops(
+    ops: Sequence[Op],
+    where: Mapping[int, tuple[int, int]],
+    groups: Sequence[Group],
+    a: Op,
+    b: Op,
+) -> list[tuple[int, int]]:
+    """Ties of two matching layer ops: their groups when both lead one, and the groups of
+    the inputs (graph or loop inputs, of one kind) they read at the same operand."""
+    out: list[tuple[int, int]] = []
+    ga, pa = where[a.index]
+    gb, pb = where[b.index]
+    if pa == 0 and pb == 0 and ga != gb and same_layouts(groups[ga], groups[gb]):
+        out.append((ga, gb))
+    for ra, rb in zip(a.operands, b.operands, strict=True):
+        if ra is None or rb is None:
+            continue
+        ia, ib = ops[ra.op], ops[rb.op]
+        if ia.kind not in _INPUT_KINDS or ib.kind != ia.kind:
+            continue
+        if ia.index not in where or ib.index not in where:
+            continue
+        gia, gib = where[ia.index][0], where[ib.index][0]
+        if gia != gib and same_layouts(groups[gia], groups[gib]):
+            out.append((gia, gib))
+    return out
 
 
 def merge_sets(sets: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -418,6 +460,7 @@ def merge_sets(sets: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
 __all__ = [
     "Coarse",
     "coarsen",
+    "layer_scopes",
     "main_operand",
     "match_optimizer_state",
     "merge_sets",

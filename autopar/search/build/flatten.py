@@ -48,7 +48,8 @@ class Flat:
         envs: per scope, graph value id -> where the value comes from.
         input_ops: graph input index -> its ``input`` op.
         output_refs: graph output index -> where it comes from.
-        layer_of_op: top-level op -> (graph layer index, node id).
+        node_ops: ``(scope, node id)`` -> the op of that equation (every scope; layers
+            name their nodes by id within the graph that holds them).
         whole_dims: graph input index -> dims it must keep whole (a stack of layer
             parameters scanned over keeps its layer dim).
         unsupported: primitives no strategy rule knows (priced as replicated).
@@ -59,7 +60,7 @@ class Flat:
     envs: Mapping[Scope, Mapping[int, Ref]]
     input_ops: Mapping[int, int]
     output_refs: Mapping[int, Ref | None]
-    layer_of_op: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    node_ops: Mapping[tuple[Scope, int], int] = field(default_factory=dict)
     whole_dims: Mapping[int, frozenset[int]] = field(default_factory=dict)
     unsupported: frozenset[str] = frozenset()
 
@@ -105,7 +106,7 @@ class _Flattener:
         self.envs: dict[Scope, dict[int, Ref]] = {}
         self.input_ops: dict[int, int] = {}
         self.output_refs: dict[int, Ref | None] = {}
-        self.layer_of_op: dict[int, tuple[int, int]] = {}
+        self.node_ops: dict[tuple[Scope, int], int] = {}
         self.whole: dict[int, set[int]] = {}
         self.unsupported: set[str] = set()
 
@@ -133,7 +134,7 @@ class _Flattener:
             self.envs,
             self.input_ops,
             self.output_refs,
-            self.layer_of_op,
+            self.node_ops,
             {i: frozenset(d) for i, d in self.whole.items()},
             frozenset(self.unsupported),
         )
@@ -164,8 +165,7 @@ class _Flattener:
                 depends=depends,
                 io=io.get(node.id),
             )
-            if node.layer is not None and not scope:
-                self.layer_of_op[op.index] = (node.layer, node.id)
+            self.node_ops[(scope, node.id)] = op.index
             if node.primitive not in FOLLOWABLE and node.primitive not in LEADS_GROUP:
                 self.unsupported.add(node.primitive)
             for port, v in enumerate(node.outputs):
