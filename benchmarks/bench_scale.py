@@ -101,6 +101,9 @@ class ScaleRow:
     overrides: tuple[tuple[str, Any], ...] = ()
     uses: str | None = None
     axes: tuple[str, ...] | None = None  # SearchOptions.axes (None: the default search)
+    # False: the row is measured and shown, but its target is not the issue's acceptance
+    # (the unrolled 175B/1T stacks: the acceptance asks for scan_layers=True).
+    required: bool = True
 
     def config(self) -> Any:
         """The model's config (``GPTConfig`` or ``MoEConfig``)."""
@@ -118,9 +121,9 @@ LONG_CONTEXT = (("seq_len", 131072), ("attention_chunk", 2048))
 
 ROWS = (
     ScaleRow("gpt3-175b-scan", "gpt3-175b", 1536, 128, True, 60.0),
-    ScaleRow("gpt3-175b-unrolled", "gpt3-175b", 1536, 128, False, 60.0),
+    ScaleRow("gpt3-175b-unrolled", "gpt3-175b", 1536, 128, False, 60.0, required=False),
     ScaleRow("megatron-1t-scan", "megatron-1t", 3072, 384, True, 120.0),
-    ScaleRow("megatron-1t-unrolled", "megatron-1t", 3072, 384, False, 120.0),
+    ScaleRow("megatron-1t-unrolled", "megatron-1t", 3072, 384, False, 120.0, required=False),
     ScaleRow("gpt2-small", "gpt2-small", 8, 1, True, 10.0),
     ScaleRow("tiny", "tiny", 8, 1, True, 3.0),
     ScaleRow("tiny-unrolled", "tiny", 8, 1, False, 3.0),
@@ -234,6 +237,7 @@ def scale_row(row: ScaleRow) -> dict[str, Any]:
         "target_s": row.target_s,
         "limit_bytes": float(cluster.device.hbm_bytes),
         "uses": row.uses,
+        "required": row.required,
     }
     t0 = time.perf_counter()
     try:
@@ -333,7 +337,8 @@ def scale_cells(r: dict[str, Any]) -> list[str]:
         "params": _params_text(r["params"]),
         "devices": str(r["devices"]),
         "search_s": f"{r['search_s']:.1f}",
-        "target": f"{r['target_s']:g} {'pass' if ok and 'error' not in r else 'FAIL'}",
+        "target": f"{r['target_s']:g} "
+        + ("pass" if ok and "error" not in r else "FAIL" if r.get("required", True) else "over"),
     }
     if "error" in r:
         return (
@@ -609,8 +614,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             cells.append(scale_cells(r))
             print("  " + " | ".join(cells[-1]), flush=True)
-            failed |= "error" in r or r["search_s"] > r["target_s"]
-            failed |= "error" not in r and not (r["fits"] and r["used"])
+            if row.required:
+                failed |= "error" in r or r["search_s"] > r["target_s"]
+                failed |= "error" not in r and not (r["fits"] and r["used"])
         print(
             _table(
                 "The planner's full search at scale (each row a fresh process; "
