@@ -453,6 +453,7 @@ def plan_outer(
     groups = model_groups(graph, cluster, options)
     priced: list[_Priced] = []
     plain_error: AutoparError | None = None
+    accs: dict[int, Any] = {}  # microbatch count -> the step's accumulation, traced once
     with SearchProgress(len(groups) + FINALISTS + 1, "plan") as bar:
         if options.pipeline_stages in (None, 1) and options.microbatches in (None, 1):
             axes = tuple(a for a in options.axes if a != "pipe") if options.axes else None
@@ -469,7 +470,7 @@ def plan_outer(
                 plain_error = e
         bar.advance("intra-op search over the whole cluster")
         try:
-            acc1 = _profile_accumulation(fn, args, graph, batch)
+            acc1 = _profile_accumulation(fn, args, graph, batch, accs)
         except AccumulateError as e:
             # The step cannot be split into microbatches (so neither pipelined): the
             # intra-op plan is the answer, if there is one.
@@ -533,8 +534,9 @@ def plan_outer(
             taken.add(i)
             per[_shape(s.config)] = per.get(_shape(s.config), 0) + 1
             q = _price(
-                fn, args, graph, cluster, options, s, limit, scale.get(_shape(s.config)[1], 1.0)
-            )
+                fn, args, graph, cluster, options, s, limit,
+                scale.get(_shape(s.config)[1], 1.0), accs,
+            )  # fmt: skip
             priced.append(q)
             if q.candidate.step_time_s is not None and s.step_time_s > 0:
                 ratios.append(q.candidate.step_time_s / s.step_time_s)
@@ -577,14 +579,28 @@ def _screened_only(s: Screened, scale: Mapping) -> _Priced:
     return _Priced(s.config.label, None, None, unsolved(s.config.label, s.config.mesh, why))
 
 
-def _profile_accumulation(fn: Callable, args: tuple, graph: Graph, batch: int) -> Any:
-    """The step on the smallest microbatch it splits into: 2 examples when the batch is
-    even (at 1, XLA-level shapes lose the batch dim's reductions), else 1."""
+def _accumulation(fn: Callable, args: tuple, graph: Graph, m: int, memo: dict) -> Any:
+    """``plan_accumulation`` of the step in ``m`` microbatches, once per search (``memo``:
+    microbatch count -> result): finalists that share a microbatch count share the trace
+    of one microbatch and its rules (on a 48-block encoder-decoder, about 40 s each)."""
     from autopar.lower.split import plan_accumulation
 
+    if m not in memo:
+        try:
+            memo[m] = plan_accumulation(fn, args, m, full=graph)
+        except AccumulateError as e:
+            memo[m] = e
+    if isinstance(memo[m], AccumulateError):
+        raise memo[m]
+    return memo[m]
+
+
+def _profile_accumulation(fn: Callable, args: tuple, graph: Graph, batch: int, memo: dict) -> Any:
+    """The step on the smallest microbatch it splits into: 2 examples when the batch is
+    even (at 1, XLA-level shapes lose the batch dim's reductions), else 1."""
     for b in (2, 1) if batch % 2 == 0 else (1,):
         try:
-            return plan_accumulation(fn, args, batch // b, full=graph)
+            return _accumulation(fn, args, graph, batch // b, memo)
         except AccumulateError:
             if b == 1:
                 raise
@@ -593,16 +609,15 @@ def _profile_accumulation(fn: Callable, args: tuple, graph: Graph, batch: int) -
 
 def _price(
     fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions,
-    screened: Screened, limit: float, learned: float = 1.0,
+    screened: Screened, limit: float, learned: float, memo: dict,
 ) -> _Priced:  # fmt: skip
-    """Plan and price one finalist in full."""
+    """Plan and price one finalist in full (``memo``: as :func:`_accumulation`'s)."""
     c = screened.config
-    from autopar.lower.split import plan_accumulation
     from autopar.search.planner import plan_graph
     from autopar.search.shortlist import candidate
 
     try:
-        acc = plan_accumulation(fn, args, c.microbatches, full=graph)
+        acc = _accumulation(fn, args, graph, c.microbatches, memo)
     except AccumulateError as e:
         return _Priced(c.label, None, None, _unfit(c, str(e)))
     # The sub-mesh's axes are named by what the solution splits with them (an axis the
