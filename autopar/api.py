@@ -425,8 +425,11 @@ class AutoParallel:
         )
         if isinstance(plan, str):
             plan = Plan.load(plan)
-        if plan is not None and not isinstance(plan, Plan):
-            raise InvalidOptionError(f"plan={plan!r} must be an autopar.Plan or a JSON path.")
+        if plan is not None and not isinstance(plan, Plan) and not _is_spec_tree(plan):
+            raise InvalidOptionError(
+                f"plan={plan!r} must be an autopar.Plan, a JSON path, or a pytree of "
+                "PartitionSpec / NamedSharding for the arguments (autopar.export)."
+            )
         self._fixed_plan = plan
         if cache is False:
             self._cache = None
@@ -491,6 +494,8 @@ class AutoParallel:
         timings["trace_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         p = self._fixed_plan
+        if p is not None and not isinstance(p, Plan):
+            p = _plan_from_spec_tree(self, fn, p, dyn, graph)
         if p is not None:
             check_plan_matches(p, graph)
             timings["plan_source"] = 0.0  # user-supplied
@@ -563,6 +568,21 @@ class AutoParallel:
         return verify(entry.plan, entry.lowered, *dyn)
 
 
+def _is_spec_tree(x: Any) -> bool:
+    from autopar.export import is_spec_tree
+
+    return is_spec_tree(x)
+
+
+def _plan_from_spec_tree(f: AutoParallel, fn: Callable, specs: Any, dyn: tuple, graph: Graph):
+    """``autoparallel(plan=specs)``: a ``PartitionSpec`` / ``NamedSharding`` pytree for the
+    arguments as a plan (:func:`autopar.export.plan_from_specs`; the mesh from the
+    ``NamedSharding``s or ``options.mesh``)."""
+    from autopar.export import plan_from_specs
+
+    return plan_from_specs(fn, specs, *dyn, mesh=f.options.mesh, cluster=f.cluster, graph=graph)
+
+
 def _dynamic_signature(fn: Callable, static: dict[int, Any]) -> inspect.Signature:
     sig = inspect.signature(fn)
     params = [p for i, p in enumerate(sig.parameters.values()) if i not in static]
@@ -610,7 +630,9 @@ def autoparallel(
         cluster: hardware to plan for (default: the local devices). It may describe other
             hardware than the local devices when the device counts agree.
         options: :class:`SearchOptions`.
-        plan: a :class:`Plan` or a path to plan JSON to use instead of searching.
+        plan: a :class:`Plan`, a path to plan JSON, or a pytree of ``PartitionSpec`` /
+            ``NamedSharding`` for the arguments (``autopar.export.partition_specs``), to
+            use instead of searching.
         static_argnums: arguments that are Python values, baked into the program.
         donate_argnums: arguments whose buffers the step may reuse.
         cache: ``True`` (default cache dir), ``False`` (no cache), or a directory.
