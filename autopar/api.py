@@ -10,17 +10,28 @@ import functools
 import inspect
 import math
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 
 from autopar.cache import PlanCache, plan_key, signature_fingerprint
-from autopar.errors import AutoparError, InvalidOptionError, LoadPlanError, UnknownPresetError
+from autopar.errors import (
+    AutoparError,
+    BindArgumentsError,
+    InvalidOptionError,
+    LoadPlanError,
+    MatchSignatureError,
+    UnknownPresetError,
+    UnknownPrimitiveWarning,
+)
 from autopar.options import LoweringOptions, SearchOptions
 from autopar.plan import Plan
 from autopar.trace import Graph, trace
+from autopar.trace.api import check_arguments
+from autopar.trace.roles import positional_names
 from cost_models import Cluster
 
 
@@ -385,16 +396,55 @@ def verify(plan: Plan, lowered: Any, *args: Any):
 
 @dataclass
 class _Entry:
-    """One compiled specialisation of an ``@autoparallel`` function."""
+    """One compiled specialisation of an ``@autoparallel`` function.
+
+    ``fast``: calls of this signature hand their positional arguments unchanged to
+    ``lowered.jitted`` (no static arguments, no keywords), so the next call may try the
+    ``jax.jit`` object directly (:meth:`AutoParallel.__call__`)."""
 
     plan: Plan
     graph: Graph
     lowered: Any  # autopar.lower.LoweredStep
+    fast: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's arguments, split the way ``jax.jit`` splits them.
+
+    Attributes:
+        n: how many positional arguments (after binding keywords to positions).
+        static_pos: ``{position: value}`` of static positional arguments.
+        static_kw: ``{name: value}`` of static keyword-only arguments.
+        dyn: the dynamic arguments the lowered program takes: the dynamic positional
+            ones, then (when keyword-only arguments were passed) one dict of them.
+        kw_names: the names of the dynamic keyword-only arguments (``()``: none).
+    """
+
+    n: int
+    static_pos: Mapping[int, Any]
+    static_kw: Mapping[str, Any]
+    dyn: tuple[Any, ...]
+    kw_names: tuple[str, ...]
+
+    @property
+    def plain(self) -> bool:
+        """The dynamic arguments are the call's positional arguments, unchanged."""
+        return not self.static_pos and not self.static_kw and not self.kw_names
+
+
+_FAST_FALLBACK = (MatchSignatureError, ValueError, TypeError)
 
 
 class AutoParallel:
     """A training step that plans, lowers and compiles itself on first call.
+
+    Calls take what ``jax.jit`` takes: positional and keyword arguments, pytrees with
+    ``None`` leaves, Python numbers, static arguments (``static_argnums`` /
+    ``static_argnames``), typed PRNG keys. Each new signature (tree structure, shapes,
+    dtypes, static values) is traced, planned and lowered once; later calls with a
+    signature already seen go straight to its ``jax.jit`` program (see :meth:`__call__`).
 
     Use through :func:`autoparallel`.
     """
@@ -407,7 +457,9 @@ class AutoParallel:
         options: SearchOptions | None = None,
         plan: Plan | str | None = None,
         static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
         donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
         cache: bool | str = True,
     ) -> None:
         if not callable(fn):
@@ -416,12 +468,22 @@ class AutoParallel:
         functools.update_wrapper(self, fn)
         self._cluster_arg = cluster
         self.options = _resolve_options(options)
-        if isinstance(static_argnums, int):
-            static_argnums = (static_argnums,)
-        if isinstance(donate_argnums, int):
-            donate_argnums = (donate_argnums,)
+        self._signature = _signature_of(fn)
+        static_nums, self._static_names = _resolve_argnames(
+            fn, self._signature, "static", static_argnums, static_argnames
+        )
+        donate_nums, donate_names = _resolve_argnames(
+            fn, self._signature, "donate", donate_argnums, donate_argnames
+        )
+        kw_only = sorted(set(donate_names) - set(_positional_names(self._signature)))
+        if kw_only:
+            raise InvalidOptionError(
+                f"donate_argnames={kw_only} names keyword-only parameters of "
+                f"{_name(fn)}; donation is by position: make them positional parameters, "
+                "or leave them out of donate_argnames."
+            )
         self.lowering_options = LoweringOptions(
-            donate_argnums=tuple(donate_argnums), static_argnums=tuple(static_argnums)
+            donate_argnums=donate_nums, static_argnums=static_nums
         )
         if isinstance(plan, str):
             plan = Plan.load(plan)
@@ -437,6 +499,8 @@ class AutoParallel:
             self._cache = PlanCache(None if cache is True else cache)
         self._entries: dict[Any, _Entry] = {}
         self._last: tuple[Any, _Entry] | None = None
+        # The jax.jit object of the last plain signature called: tried first by __call__.
+        self._fast: Callable | None = None
         self._cluster: Cluster | None = None
         self.last_timings: dict[str, float] = {}
 
@@ -447,48 +511,107 @@ class AutoParallel:
             self._cluster = _resolve_cluster(self._cluster_arg)
         return self._cluster
 
-    def _split_static(self, args: tuple) -> tuple[tuple, tuple]:
+    def _split(self, args: tuple, kwargs: dict) -> _Call:
+        """Bind ``args``/``kwargs`` as the function would and split off static ones."""
+        if kwargs:
+            if self._signature is not None:
+                try:
+                    bound = self._signature.bind(*args, **kwargs)
+                except TypeError as e:
+                    raise BindArgumentsError(
+                        f"{_name(self.fn)}{self._signature} cannot take these arguments: {e}. "
+                        "Call the decorated step as you would call the function itself."
+                    ) from e
+                args, kwargs = bound.args, bound.kwargs
         static = self.lowering_options.static_argnums
-        for i in static:
-            if i >= len(args):
-                raise InvalidOptionError(
-                    f"static_argnums names argument {i} but only {len(args)} were passed."
-                )
-        dyn = tuple(a for i, a in enumerate(args) if i not in static)
-        stat = tuple((i, args[i]) for i in static)
-        return dyn, stat
+        static_pos = {i: args[i] for i in static if i < len(args)}
+        static_kw = {k: v for k, v in kwargs.items() if k in self._static_names}
+        dyn_kw = {k: v for k, v in kwargs.items() if k not in self._static_names}
+        dyn = tuple(a for i, a in enumerate(args) if i not in static_pos)
+        if dyn_kw:
+            dyn = (*dyn, dyn_kw)
+        return _Call(len(args), static_pos, static_kw, dyn, tuple(dyn_kw))
 
-    def _key(self, args: tuple) -> Any:
-        dyn, stat = self._split_static(args)
-        leaves, tree = jax.tree_util.tree_flatten(dyn)
-        avals = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
-        return (tree, avals, stat)
+    def _key(self, call: _Call) -> Any:
+        """The signature ``call`` is compiled for: tree structure, shapes and dtypes of the
+        dynamic leaves, and the static values (which must be hashable, as in ``jax.jit``)."""
+        leaves, tree = jax.tree_util.tree_flatten(call.dyn)
+        avals = []
+        for x in leaves:
+            try:
+                aval = jax.typeof(x)
+            except TypeError:
+                # Not a JAX type: name the leaf and say what to do (TraceFunctionError).
+                check_arguments(self.fn, call.dyn, {})
+                aval = jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+            avals.append((tuple(aval.shape), str(aval.dtype)))
+        static = (
+            tuple(sorted(call.static_pos.items())),
+            tuple(sorted(call.static_kw.items())),
+        )
+        try:
+            hash(static)
+        except TypeError as e:
+            where = {**{f"argument {i}": v for i, v in call.static_pos.items()}, **call.static_kw}
+            raise BindArgumentsError(
+                f"static arguments must be hashable (they key the compiled program, as in "
+                f"jax.jit), got {where!r:.200} ({e}). Pass tuples instead of lists, a frozen "
+                "dataclass instead of a dict, or make the argument dynamic (an array)."
+            ) from e
+        return (tree, tuple(avals), call.n, static)
 
-    def _bound_fn(self, args: tuple) -> tuple[Callable, tuple]:
-        """The function of the dynamic arguments only (static ones closed over)."""
-        static = dict(self._split_static(args)[1])
-        if not static:
-            return self.fn, args
-        dyn = tuple(a for i, a in enumerate(args) if i not in static)
-        n = len(args)
-        fn = self.fn
+    def _bound_fn(self, call: _Call) -> Callable:
+        """The function of ``call.dyn`` (static arguments closed over, keyword-only
+        arguments in one trailing dict), named like the user's parameters."""
+        if call.plain:
+            return self.fn
+        fn, n, static_pos, static_kw = self.fn, call.n, dict(call.static_pos), call.static_kw
+        has_kw = bool(call.kw_names)
 
-        def bound(*dyn_args):
-            it = iter(dyn_args)
-            full = [static[i] if i in static else next(it) for i in range(n)]
-            return fn(*full)
+        def bound(*dyn_args: Any) -> Any:
+            pos = dyn_args[:-1] if has_kw else dyn_args
+            kw = {**static_kw, **(dyn_args[-1] if has_kw else {})}
+            it = iter(pos)
+            return fn(*[static_pos[i] if i in static_pos else next(it) for i in range(n)], **kw)
 
         try:
-            bound.__signature__ = _dynamic_signature(fn, static)
+            bound.__signature__ = _dynamic_signature(fn, static_pos, n, has_kw)
         except (TypeError, ValueError):
             pass
-        return bound, dyn
+        bound.__name__ = getattr(fn, "__name__", "step")
+        bound.__qualname__ = getattr(fn, "__qualname__", bound.__name__)
+        return bound
 
-    def _specialise(self, args: tuple) -> _Entry:
+    def _check_devices(self) -> None:
+        """The plan must run here: the mesh (fixed, or the whole cluster) needs exactly the
+        devices JAX sees. Checked before tracing, not after a search."""
+        need = (
+            math.prod(self.options.mesh.values())
+            if self.options.mesh is not None
+            else self.cluster.num_devices
+        )
+        have = jax.device_count()
+        if need != have:
+            where = (
+                f"the mesh {dict(self.options.mesh)}"
+                if self.options.mesh is not None
+                else f"the cluster {self.cluster.name!r} ({self.cluster.num_nodes} node(s) x "
+                f"{self.cluster.devices_per_node} devices)"
+            )
+            raise InvalidOptionError(
+                f"{where} has {need} devices but JAX sees {have} here, and @autoparallel runs "
+                f"the step here: give a mesh or cluster of {have} devices (cluster=None uses "
+                "the local ones), or plan for other hardware with autopar.plan(...) without "
+                "running it."
+            )
+
+    def _specialise(self, call: _Call) -> _Entry:
         from autopar.lower import lower_plan
 
         timings: dict[str, float] = {}
-        fn, dyn = self._bound_fn(args)
+        fn, dyn = self._bound_fn(call), call.dyn
+        if self._fixed_plan is None:
+            self._check_devices()
         t0 = time.perf_counter()
         graph = trace(fn, *dyn)
         timings["trace_s"] = time.perf_counter() - t0
@@ -500,6 +623,7 @@ class AutoParallel:
             check_plan_matches(p, graph)
             timings["plan_source"] = 0.0  # user-supplied
         else:
+            warn_unknown_primitives(graph)
             key = None
             if self._cache is not None:
                 key = plan_key(graph, self.cluster, self.options)
@@ -512,60 +636,138 @@ class AutoParallel:
         p = _finish_plan(p, graph)
         timings["plan_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        lowered = lower_plan(fn, p, dyn, graph=graph, options=self._dyn_lowering_options(args))
+        lowered = lower_plan(fn, p, dyn, graph=graph, options=self._dyn_lowering_options(call))
         timings["lower_s"] = time.perf_counter() - t0
-        return _Entry(plan=p, graph=graph, lowered=lowered, timings=timings)
+        return _Entry(plan=p, graph=graph, lowered=lowered, fast=call.plain, timings=timings)
 
-    def _dyn_lowering_options(self, args: tuple) -> LoweringOptions:
+    def _dyn_lowering_options(self, call: _Call) -> LoweringOptions:
         """Re-number donated arguments after static ones are removed."""
-        static = set(self.lowering_options.static_argnums)
-        dyn_index = [i for i in range(len(args)) if i not in static]
-        donate = tuple(dyn_index.index(i) for i in self.lowering_options.donate_argnums)
+        dyn_index = [i for i in range(call.n) if i not in call.static_pos]
+        donate = tuple(
+            dyn_index.index(i) for i in self.lowering_options.donate_argnums if i in dyn_index
+        )
         return LoweringOptions(donate_argnums=donate)
 
-    def _entry(self, args: tuple) -> _Entry:
-        key = self._key(args)
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[_Entry, _Call]:
+        call = self._split(args, kwargs)
+        key = self._key(call)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._specialise(args)
+            entry = self._specialise(call)
             self._entries[key] = entry
             self.last_timings = dict(entry.timings)
         self._last = (key, entry)
-        return entry
+        return entry, call
 
     # -- user API ---------------------------------------------------------------------
-    def __call__(self, *args: Any):
-        entry = self._entry(args)
-        dyn = self._split_static(args)[0] if self.lowering_options.static_argnums else args
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the step. The first call per signature traces, plans, lowers and compiles.
+
+        Later calls of a plain signature (positional arguments, nothing static) go
+        straight to the ``jax.jit`` object the plan was lowered to, so they cost what a
+        hand-written ``jax.jit`` call costs (its C++ dispatch). That program refuses, while
+        tracing, arguments of another signature (``MatchSignatureError``), and ``jax.jit``
+        refuses inputs committed to other layouts: both fall through to the full path,
+        which finds (or builds) the signature's program and copies misplaced inputs.
+        """
+        fast = self._fast
+        if fast is not None and not kwargs:
+            try:
+                return fast(*args)
+            except _FAST_FALLBACK:
+                pass  # another signature or layout, or a real error the full path explains
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        entry, call = self._entry(args, kwargs)
+        jitted = entry.lowered.jitted
+        self._fast = jitted if entry.fast else None
         try:
-            # Fast path: arguments already laid out as planned (e.g. the previous step's
-            # outputs), or uncommitted host/single-device arrays that jit places itself.
-            return entry.lowered.jitted(*dyn)
+            # Arguments already laid out as planned (e.g. the previous step's outputs), or
+            # uncommitted host/single-device arrays that jit places itself.
+            return jitted(*call.dyn)
         except ValueError as e:
             if "does not match the sharding" not in str(e):
                 raise
         # Committed to another layout: copy onto the planned shardings. The user's arrays
         # are left untouched (never donated unless named in donate_argnums).
-        return entry.lowered.jitted(*entry.lowered.place_inputs(dyn))
+        return jitted(*entry.lowered.place_inputs(call.dyn))
 
-    def plan_for(self, *args: Any) -> Plan:
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan this function uses for ``args`` (traces and plans, does not run)."""
-        return self._entry(args).plan
+        return self._entry(args, kwargs)[0].plan
 
-    def graph_for(self, *args: Any) -> Graph:
+    def graph_for(self, *args: Any, **kwargs: Any) -> Graph:
         """The traced graph for ``args``."""
-        return self._entry(args).graph
+        return self._entry(args, kwargs)[0].graph
 
-    def lower(self, *args: Any):
+    def lower(self, *args: Any, **kwargs: Any):
         """The lowered step for ``args``: ``.hlo_text()``, ``.compile()``,
         ``.memory_analysis()``; pass it to :func:`autopar.verify`."""
-        return self._entry(args).lowered
+        return self._entry(args, kwargs)[0].lowered
 
-    def verify(self, *args: Any):
+    def verify(self, *args: Any, **kwargs: Any):
         """Plan-vs-compiled report for ``args`` (collectives and memory)."""
-        entry = self._entry(args)
-        _, dyn = self._split_static(args)
-        return verify(entry.plan, entry.lowered, *dyn)
+        entry, call = self._entry(args, kwargs)
+        return verify(entry.plan, entry.lowered, *call.dyn)
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+
+
+def _signature_of(fn: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _positional_names(sig: inspect.Signature | None) -> list[str]:
+    if sig is None:
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in sig.parameters.values() if p.kind in kinds]
+
+
+def _resolve_argnames(
+    fn: Callable,
+    sig: inspect.Signature | None,
+    what: str,
+    nums: int | Sequence[int],
+    names: str | Sequence[str],
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``(argnums, argnames)`` completed from each other through the signature, as
+    ``jax.jit`` does: a name of a positional parameter adds its position, a position of a
+    named parameter adds its name."""
+    nums = (nums,) if isinstance(nums, int) else tuple(nums)
+    names = (names,) if isinstance(names, str) else tuple(names)
+    bad = [n for n in nums if not isinstance(n, int) or isinstance(n, bool) or n < 0]
+    if bad:
+        raise InvalidOptionError(
+            f"{what}_argnums={nums!r}: give non-negative argument positions (ints)."
+        )
+    if not all(isinstance(n, str) for n in names):
+        raise InvalidOptionError(f"{what}_argnames={names!r}: give parameter names (str).")
+    positional = _positional_names(sig)
+    if sig is not None:
+        params = sig.parameters
+        var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        unknown = [n for n in names if n not in params and not var_kw]
+        if unknown:
+            raise InvalidOptionError(
+                f"{what}_argnames={list(names)} names {unknown}, not parameters of "
+                f"{_name(fn)}{sig}; use its parameter names."
+            )
+    out_nums = set(nums) | {positional.index(n) for n in names if n in positional}
+    out_names = set(names) | {
+        positional[i]
+        for i in nums
+        if i < len(positional)
+        and sig is not None
+        and sig.parameters[positional[i]].kind != inspect.Parameter.POSITIONAL_ONLY
+    }
+    return tuple(sorted(out_nums)), tuple(sorted(out_names))
 
 
 def _is_spec_tree(x: Any) -> bool:
@@ -583,10 +785,46 @@ def _plan_from_spec_tree(f: AutoParallel, fn: Callable, specs: Any, dyn: tuple, 
     return plan_from_specs(fn, specs, *dyn, mesh=f.options.mesh, cluster=f.cluster, graph=graph)
 
 
-def _dynamic_signature(fn: Callable, static: dict[int, Any]) -> inspect.Signature:
+def _dynamic_signature(
+    fn: Callable, static: Mapping[int, Any], n: int, has_kw: bool
+) -> inspect.Signature:
+    """The signature of the bound function of a call's dynamic arguments: the first ``n``
+    positional parameters without the static ones, then ``kwargs`` if keyword-only
+    arguments were passed (their dict)."""
     sig = inspect.signature(fn)
-    params = [p for i, p in enumerate(sig.parameters.values()) if i not in static]
-    return sig.replace(parameters=params)
+    names = positional_names(fn, n)
+    kind = inspect.Parameter.POSITIONAL_ONLY
+    params = [inspect.Parameter(names[i], kind) for i in range(n) if i not in static]
+    if has_kw:
+        params.append(inspect.Parameter("kwargs", kind))
+    return sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
+
+
+def warn_unknown_primitives(graph: Graph) -> None:
+    """Warn (:class:`UnknownPrimitiveWarning`) naming the primitives of ``graph`` (loop
+    bodies included) that autopar has no sharding rule for: the search replicates them."""
+    from autopar.primitives import KNOWN
+
+    counts: dict[str, int] = {}
+
+    def walk(g: Graph) -> None:
+        for node in g.nodes:
+            if node.primitive not in KNOWN:
+                counts[node.primitive] = counts.get(node.primitive, 0) + 1
+            for body in node.body:
+                walk(body)
+
+    walk(graph)
+    if counts:
+        names = ", ".join(f"{p} (x{n})" for p, n in sorted(counts.items()))
+        warnings.warn(
+            f"autopar has no sharding rule for {names}: these equations run replicated (every "
+            "device computes them on whole tensors, after gathering their inputs) and count "
+            "0 FLOPs in the cost model. The step still computes the same values; to have "
+            "them sharded, express them with standard jax.numpy / lax operations.",
+            UnknownPrimitiveWarning,
+            stacklevel=3,
+        )
 
 
 def check_plan_matches(p: Plan, graph: Graph) -> None:
@@ -616,7 +854,9 @@ def autoparallel(
     options: SearchOptions | None = None,
     plan: Plan | str | None = None,
     static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
     cache: bool | str = True,
 ):
     """Decorate a single-device training step so it runs sharded over a device mesh.
@@ -633,8 +873,11 @@ def autoparallel(
         plan: a :class:`Plan`, a path to plan JSON, or a pytree of ``PartitionSpec`` /
             ``NamedSharding`` for the arguments (``autopar.export.partition_specs``), to
             use instead of searching.
-        static_argnums: arguments that are Python values, baked into the program.
+        static_argnums: arguments that are Python values, baked into the program (one
+            program per value, which must be hashable), as in ``jax.jit``.
+        static_argnames: the same, by parameter name.
         donate_argnums: arguments whose buffers the step may reuse.
+        donate_argnames: the same, by parameter name.
         cache: ``True`` (default cache dir), ``False`` (no cache), or a directory.
 
     Example:
@@ -654,7 +897,9 @@ def autoparallel(
             options=options,
             plan=plan,
             static_argnums=static_argnums,
+            static_argnames=static_argnames,
             donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
             cache=cache,
         )
 

@@ -47,12 +47,24 @@ class InfeasiblePlanError(AutoparError):
         self.closest = closest
 
 
+class BindArgumentsError(AutoparError, TypeError):
+    """The arguments of a call do not fit the step: an unexpected or missing keyword, too
+    few positional arguments, or an unhashable static argument (what ``jax.jit`` refuses
+    too); the message names the argument and says how to pass it."""
+
+
 class SolveShardingError(AutoparError):
     """The sharding solver failed for a reason other than infeasibility (e.g. time limit)."""
 
 
 class LoadPlanError(AutoparError):
     """A saved plan could not be read, or does not match the function it is applied to."""
+
+
+class MatchSignatureError(LoadPlanError):
+    """A lowered step was called with arguments of another structure, shape or dtype than
+    the ones it was planned and lowered for (``@autoparallel`` re-plans for them; a
+    :class:`~autopar.lower.LoweredStep` has to be lowered again)."""
 
 
 class LowerPlanError(AutoparError):
@@ -70,3 +82,17 @@ class UnknownPresetError(AutoparError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; we want it plain.
         return str(self.args[0]) if self.args else ""
+
+
+class AutoparWarning(UserWarning):
+    """Base class of the warnings autopar issues: the step runs, but not as well as it could."""
+
+
+class UnknownPrimitiveWarning(AutoparWarning):
+    """The step uses primitives autopar has no sharding rule for: they run replicated
+    (every device computes them on whole tensors) and count 0 FLOPs in the cost model."""
+
+
+class SolverTimeLimitWarning(AutoparWarning):
+    """The sharding solver ran out of time (``SearchOptions.solver_time_limit_s``) before it
+    proved its plan optimal; the best plan found so far is used."""

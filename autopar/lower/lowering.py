@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.axes import batch_axes
-from autopar.errors import LoadPlanError, LowerPlanError
+from autopar.errors import LoadPlanError, LowerPlanError, MatchSignatureError
 from autopar.lower.mesh import make_mesh
 from autopar.lower.order import LateGathers, late_gathers, tie
 from autopar.lower.remat import (
@@ -124,7 +124,68 @@ def same_path(a: str, b: str) -> bool:
 
 
 def _dtype_str(x: Any) -> str:
-    return str(np.dtype(x.dtype)) if x.dtype is not None else "?"
+    """The dtype of an argument leaf as the tracer records it: ``"float32"``,
+    ``"bfloat16"``, ``"key<fry>"`` (a typed PRNG key: an extended dtype NumPy does not
+    know), and for a Python number the dtype JAX gives it (``1.0`` -> ``"float32"``)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        try:
+            dtype = jax.typeof(x).dtype
+        except TypeError:
+            return "?"
+    try:
+        return str(np.dtype(dtype))
+    except TypeError:
+        return str(dtype)
+
+
+def _sds(x: Any, s: Any) -> jax.ShapeDtypeStruct:
+    """``x`` as a ``jax.ShapeDtypeStruct`` on sharding ``s`` (Python numbers are weakly
+    typed, as ``jax.jit`` sees them)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type)
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=s, weak_type=aval.weak_type)
+
+
+def _signature_guard(
+    body: Callable[..., Any], in_tree: Any, leaves: Sequence[Any], paths: Sequence[str]
+) -> Callable[..., Any]:
+    """``body`` refusing, while it is traced, arguments of another structure, shape or dtype
+    than ``leaves`` (:class:`MatchSignatureError`).
+
+    ``jax.jit`` traces a function again for every new argument signature; the lowered
+    program is planned for one. The check runs only when ``jax.jit`` traces, never when it
+    dispatches a compiled call, so a caller can hand arguments straight to the jitted
+    function (its C++ fast path) and catch this error to re-plan for a new signature."""
+    expected = [(tuple(np.shape(x)), _dtype_str(x)) for x in leaves]
+
+    def guarded(*dyn_args: Any) -> Any:
+        got_leaves, tree = jax.tree_util.tree_flatten(dyn_args)
+        if tree != in_tree:
+            raise MatchSignatureError(
+                f"the step was lowered for arguments structured as {in_tree}, got {tree}; "
+                "lower it again for these arguments (@autoparallel re-plans by itself)."
+            )
+        for i, x in enumerate(got_leaves):
+            got = (tuple(np.shape(x)), _dtype_str(x))
+            if got != expected[i]:
+                raise MatchSignatureError(
+                    f"input leaf {i} ({paths[i]}) is {got[0]} {got[1]} but the step was "
+                    f"lowered for {expected[i][0]} {expected[i][1]}; lower it again for these "
+                    "arguments (@autoparallel re-plans by itself)."
+                )
+        return body(*dyn_args)
+
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        if hasattr(body, attr):
+            try:
+                setattr(guarded, attr, getattr(body, attr))
+            except (AttributeError, TypeError):
+                pass
+    return guarded
 
 
 def check_leaves(
@@ -277,8 +338,8 @@ class LoweredStep:
         dyn = self._dynamic(args)
 
         def place(x: Any, s: NamedSharding) -> Any:
-            if isinstance(x, jax.core.Tracer):
-                return x
+            if isinstance(x, jax.core.Tracer | bool | int | float | complex):
+                return x  # jax.jit places Python numbers itself (weakly typed)
             if isinstance(x, jax.Array):
                 if x.sharding.is_equivalent_to(s, x.ndim):
                     return x
@@ -306,11 +367,7 @@ class LoweredStep:
         if not args:
             return self.abstract_args
         dyn = self._dynamic(args)
-
-        def sds(x: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
-
-        return tuple(jax.tree.map(sds, a, s) for a, s in zip(dyn, self.in_shardings, strict=True))
+        return tuple(jax.tree.map(_sds, a, s) for a, s in zip(dyn, self.in_shardings, strict=True))
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for ``args`` (default: the arguments lowered with)."""
@@ -361,7 +418,7 @@ def _same_avals(args: Sequence[Any], abstract: Sequence[Any]) -> bool:
     return all(
         not isinstance(x, jax.core.Tracer)
         and tuple(np.shape(x)) == tuple(y.shape)
-        and np.dtype(x.dtype) == np.dtype(y.dtype)
+        and _dtype_str(x) == _dtype_str(y)
         for x, y in zip(a_leaves, b_leaves, strict=True)
     )
 
@@ -535,7 +592,8 @@ def lower_plan(
     names = arg_names(fn, len(args))
     dyn_names = [names[i] for i in dyn_pos] if names else None
     in_leaves, in_tree = jax.tree_util.tree_flatten(dyn)
-    check_leaves(plan.inputs, in_leaves, leaf_paths(dyn, dyn_names), "input")
+    in_paths = leaf_paths(dyn, dyn_names)
+    check_leaves(plan.inputs, in_leaves, in_paths, "input")
     in_flat = _shardings(plan.inputs, mesh, "input")
     in_tree_shardings = jax.tree_util.tree_unflatten(in_tree, in_flat)
 
@@ -599,17 +657,14 @@ def lower_plan(
 
     donate = tuple(dyn_pos.index(i) for i in options.donate_argnums if i in dyn_pos)
     jitted = jax.jit(
-        body,
+        _signature_guard(body, in_tree, in_leaves, in_paths),
         in_shardings=tuple(in_tree_shardings),
         out_shardings=out_shardings,
         donate_argnums=donate,
     )
 
-    def sds(x: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
-
     abstract = tuple(
-        jax.tree.map(sds, a, s) for a, s in zip(dyn, tuple(in_tree_shardings), strict=True)
+        jax.tree.map(_sds, a, s) for a, s in zip(dyn, tuple(in_tree_shardings), strict=True)
     )
     return LoweredStep(
         plan=plan,

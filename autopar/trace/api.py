@@ -60,7 +60,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
             f"trace() needs a callable as its first argument, got {type(fn).__name__}: "
             f"pass the step function, then its arguments: trace(step_fn, state, batch)"
         )
-    _check_leaves(fn, args, kwargs)
+    check_arguments(fn, args, kwargs)
     # Tracing allocates ~10^5 small objects and frees none of them until it returns; the
     # cyclic garbage collector's passes over them cost 40% of the trace time, for nothing.
     was_enabled = gc.isenabled()
@@ -152,7 +152,19 @@ def graph_from_jaxpr(
     )  # fmt: skip
 
 
-def _check_leaves(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def check_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise :class:`TraceFunctionError` naming the first argument leaf that is not an
+    array-like (a string, an arbitrary object, ...), with its path and what to do.
+
+    ``None`` leaves are empty subtrees (legal, as in ``jax.jit``); arrays, NumPy scalars,
+    ``jax.ShapeDtypeStruct``, Python numbers and typed PRNG keys are accepted.
+
+    Example:
+        >>> check_arguments(lambda w, x: x, ("weights", np.ones(2)), {})
+        Traceback (most recent call last):
+        ...
+        autopar.errors.TraceFunctionError: argument leaf w is a str ('weights'); ...
+    """
     leaves, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
     for kp, leaf in leaves:
         if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
@@ -169,7 +181,8 @@ def _check_leaves(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         )
         where = "/".join([head, *keys])
         raise TraceFunctionError(
-            f"argument leaf {where} is a {type(leaf).__name__} ({leaf!r:.60}); trace() takes "
-            f"pytrees of arrays, jax.ShapeDtypeStruct or Python scalars. Close over static "
-            f"values (functools.partial) instead of passing them."
+            f"argument leaf {where} is a {type(leaf).__name__} ({leaf!r:.60}); a step takes "
+            f"pytrees of arrays, jax.ShapeDtypeStruct or Python scalars. Pass it as an array "
+            f"(jnp.asarray), mark its argument static (static_argnums / static_argnames), or "
+            f"close over it (functools.partial)."
         )
