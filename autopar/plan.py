@@ -491,15 +491,33 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        if not isinstance(d, Mapping):
+            raise LoadPlanError(
+                f"plan JSON must be an object with a 'schema_version', 'mesh', 'inputs', ... "
+                f"(what Plan.save writes), got a {type(d).__name__}; re-plan or fix the file."
+            )
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise LoadPlanError(
                 f"plan schema version {version!r} is not supported (this autopar reads "
                 f"version {SCHEMA_VERSION}); re-plan with autopar.plan(...)."
             )
+        mesh = d.get("mesh")
+        if (
+            not isinstance(mesh, Mapping)
+            or not mesh
+            or not all(isinstance(a, str) for a in mesh)
+            or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh.values()
+            )
+        ):
+            raise LoadPlanError(
+                f"plan JSON has mesh {mesh!r}; a mesh maps axis names to integer sizes >= 1, "
+                'e.g. {"data": 2, "tensor": 4}: fix the file or re-plan.'
+            )
         try:
             return cls(
-                mesh=dict(d["mesh"]),
+                mesh=dict(mesh),
                 inputs=tuple(TensorSharding.from_json(r) for r in d["inputs"]),
                 outputs=tuple(TensorSharding.from_json(r) for r in d["outputs"]),
                 activations=tuple(ActivationConstraint.from_json(a) for a in d["activations"]),
@@ -514,8 +532,11 @@ class Plan:
                 cost_model_version=d["cost_model_version"],
                 shortlist=tuple(Candidate.from_json(c) for c in d.get("shortlist", ())),
             )
-        except (KeyError, TypeError) as e:
-            raise LoadPlanError(f"plan JSON is malformed ({type(e).__name__}: {e}).") from e
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise LoadPlanError(
+                f"plan JSON is malformed ({type(e).__name__}: {e}); re-plan with "
+                "autopar.plan(...) or fix the file (Plan.save writes the expected layout)."
+            ) from e
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
