@@ -512,7 +512,8 @@ class Plan:
             )
         ):
             raise LoadPlanError(
-                f"plan JSON has mesh {mesh!r}; a mesh maps axis names to integer sizes >= 1, "
+                f"plan JSON is malformed: its mesh is {mesh!r}; a mesh maps axis names to "
+                "integer sizes >= 1, "
                 'e.g. {"data": 2, "tensor": 4}: fix the file or re-plan.'
             )
         try:
