@@ -16,12 +16,12 @@ plan=specs)`` calls it.
 What maps and what does not: specs carry the layout of every argument, nothing else.
 A pipelined plan's stages, its microbatches, its remat policy and its activation
 constraints are not in them. :func:`plan_from_specs` re-derives activation layouts by
-completing the plan with the cost model (``autopar.complete``: the cheapest layouts given
-the fixed inputs and outputs, as the search prices them); outputs that update an input
-take that input's spec and the others are replicated. Logical-axis rules are per
-parameter dimension: optimizer state laid out unlike its parameter (ZeRO-1/2) and batch
-inputs are reported in :attr:`LogicalAxes.unmapped` (they are not parameters a Flax model
-annotates).
+completing the plan with the planner's objective (the cheapest layouts given the fixed
+inputs and outputs, as the search prices them: for a searched plan's specs, the search's
+own choice). Outputs that update an input take that input's spec, the others are
+replicated. Logical-axis rules are per parameter dimension: optimizer state laid out
+unlike its parameter (ZeRO-1/2) and batch inputs are reported in
+:attr:`LogicalAxes.unmapped` (they are not parameters a Flax model annotates).
 
 Example:
     >>> from autopar import export
@@ -30,7 +30,7 @@ Example:
     ...                            (None, "tensor"), "param"),
     ...     autopar.TensorSharding("batch/x", (8, 16), "float32", ("data", None), "batch")))
     >>> export.partition_specs(p)
-    {'state/params/fc/kernel': PartitionSpec(None, 'tensor'), 'batch/x': PartitionSpec('data',)}
+    {'state/params/fc/kernel': P(None, 'tensor'), 'batch/x': P('data',)}
     >>> export.logical_axis_rules(p)
     (('fc.in', None), ('fc.out', 'tensor'))
 """
@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P  # noqa: F401  (docstring examples)
 
 from autopar.errors import LoadPlanError
 from autopar.plan import Plan, Spec, SpecEntry, TensorSharding, spec_axes, to_partition_spec
@@ -132,8 +133,8 @@ def partition_specs(plan: Plan, *, like: Any = None, outputs: bool = False) -> A
 
     Example:
         >>> specs = partition_specs(plan, like=(state, batch))
-        >>> specs[1]["x"]
-        PartitionSpec('data',)
+        >>> specs[0]["params"]["layer_0"]["w"] == P(*plan.input("layer_0/w").spec)
+        True
     """
     records = plan.outputs if outputs else plan.inputs
     tree = plan.out_tree if outputs else plan.in_tree
@@ -410,9 +411,12 @@ def plan_from_specs(
             for specs naming at most one axis, that axis over every device.
         cluster: the hardware to price the completion on (default: the local devices).
         graph: ``autopar.trace(fn, *args)``, if already traced.
-        complete: pin activation layouts with the cost model (``autopar.complete``) so the
-            lowered program is the one the cost model scores; ``False`` leaves them to
-            XLA's sharding propagation (``plan.predicted`` then empty).
+        complete: pin the activation layouts the planner would choose for these inputs
+            (its completion problem, priced by its objective), so the lowered program is
+            the one the cost model scores and, for specs exported from a searched plan,
+            the original's; ``False`` leaves them to XLA's sharding propagation
+            (``plan.predicted`` then empty). ``autopar.complete(fn, plan, ...)`` instead
+            completes them the way propagation would.
         name: the plan's name.
 
     Returns:
@@ -468,6 +472,59 @@ def plan_from_specs(
     )
     if not complete:
         return plan
-    from autopar.api import complete as complete_plan
+    return _complete_as_planned(graph, plan, cluster)
 
-    return complete_plan(graph, plan, cluster)
+
+def _complete_as_planned(graph: Any, plan: Plan, cluster: Any) -> Plan:
+    """``plan`` with the activation layouts the planner would pick for its inputs.
+
+    ``autopar.complete`` completes a plan without pins the way XLA's propagation would
+    (``PROPAGATION_PENALTY``), which is right for a hand-written baseline but not for
+    specs exported from a searched plan: their activations were chosen by the planner's
+    own objective. So this solves the same completion problem without that penalty: given
+    a searched plan's input and output layouts, the search's optimum stays optimal, and
+    the plan lowers to the original's collectives (``tests/core/test_export.py``).
+    """
+    import dataclasses
+
+    import cost_models
+    from autopar.search import evaluate as ev_mod
+    from autopar.search.costs import CostContext
+    from autopar.search.ilp import build
+    from autopar.search.solver import solve
+    from cost_models import Cluster
+
+    if cluster is None:
+        cluster = Cluster.local()
+    elif isinstance(cluster, str):
+        cluster = Cluster.preset(cluster)
+    if plan.num_devices > cluster.num_devices:
+        raise ImportSpecsError(
+            f"the specs' mesh {dict(plan.mesh)} needs {plan.num_devices} devices; the "
+            f"cluster has {cluster.num_devices}: pass a mesh or cluster that agree."
+        )
+    fixed, raw = ev_mod.plan_constraints(graph, plan)
+    # The completion problem of autopar.search.evaluate.complete_layouts, with the
+    # planner's objective (no propagation penalty); the helpers are the search's own.
+    bp = build(
+        graph,
+        CostContext(cluster, plan.mesh),
+        fixed_inputs=fixed,
+        constraints=ev_mod._resolve_constraints(graph, raw),
+        coarsen_groups=True,
+        replication_penalty_s=0.0,
+        operand_constraints=ev_mod._operand_constraints(graph, plan),
+    )
+    sol = solve(bp.problem, 60.0, num_workers=1)
+    if not sol.ok:
+        raise ImportSpecsError(
+            f"could not complete the layouts for these specs (solver status {sol.status})."
+        )
+    evaluation = ev_mod.decode(bp, sol.choice, status=sol.status)
+    return dataclasses.replace(
+        plan,
+        activations=ev_mod.pinned_activations(bp, sol.choice),
+        predicted=evaluation.to_predicted(),
+        cluster=cluster.to_json(),
+        cost_model_version=cost_models.COST_MODEL_VERSION,
+    )
