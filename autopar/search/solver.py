@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.errors import SolveShardingError
+from autopar.errors import SolverTimeLimitWarning, SolveShardingError
 from autopar.search.problem import ShardingProblem, ShardingSolution
 
 _MAX_COEF = 1e7  # largest scaled objective / memory coefficient
@@ -595,6 +595,7 @@ def solve(
         # relaxation + local search, or the caller's hint) is a solution too, if it fits.
         fallback = _choice_of(problem, cp, start)
         if problem.is_feasible(fallback):
+            _warn_time_limit(time_limit_s, problem.objective(fallback), 0.0, len(problem.nodes))
             return ShardingSolution(
                 fallback, problem.objective(fallback), "feasible", elapsed,
                 problem.memory_usage(fallback), 0.0,
@@ -603,8 +604,27 @@ def solve(
         return ShardingSolution((), math.inf, status, elapsed)
     rep_choice = {r: int(cp.keep[r][s]) for r, s in picked.items()}
     choice = tuple(rep_choice[cp.red.rep[i]] for i in range(len(problem.nodes)))
+    if status == "feasible" and minimize == "cost":
+        _warn_time_limit(time_limit_s, problem.objective(choice), bound, len(problem.nodes))
     return ShardingSolution(
         choice, problem.objective(choice), status, elapsed, problem.memory_usage(choice), bound
+    )
+
+
+def _warn_time_limit(time_limit_s: float, objective: float, bound: float, nodes: int) -> None:
+    """Say that a solve stopped at its time limit with a solution not proved optimal."""
+    gap = (
+        f"at most {objective / bound - 1:.1%} above the optimum"
+        if bound > 0 and math.isfinite(objective)
+        else "its distance to the optimum unknown"
+    )
+    warnings.warn(
+        f"the sharding solver reached its time limit of {time_limit_s:g} s on a problem of "
+        f"{nodes} nodes before proving its plan optimal: using the best plan found so far "
+        f"(predicted {objective * 1e3:.4g} ms, {gap}). For a better plan raise "
+        "SearchOptions(solver_time_limit_s=...).",
+        SolverTimeLimitWarning,
+        stacklevel=3,
     )
 
 
