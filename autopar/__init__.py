@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 from autopar import (  # noqa: E402  (autopar.trace is callable: trace(fn, *args))
     baselines,  # noqa: E402
+    export,
     report,
     trace,
 )
@@ -39,6 +40,7 @@ from autopar.errors import (  # noqa: E402
     TraceFunctionError,
     UnknownPresetError,
 )
+from autopar.explain import ExplainPathError, explain  # noqa: E402  (the function)
 from autopar.options import LoweringOptions, SearchOptions  # noqa: E402
 from autopar.plan import (  # noqa: E402
     ActivationConstraint,
@@ -59,6 +61,7 @@ __all__ = [
     "AutoparError",
     "Candidate",
     "Cluster",
+    "ExplainPathError",
     "Graph",
     "InfeasiblePlanError",
     "InvalidOptionError",
@@ -80,6 +83,8 @@ __all__ = [
     "complete",
     "baselines",
     "evaluate",
+    "explain",
+    "export",
     "plan",
     "trace",
     "verify",

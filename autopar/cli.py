@@ -1,4 +1,4 @@
-"""``autopar demo | trace | plan | show | report | diff | calibrate``.
+"""``autopar demo | trace | plan | show | explain | report | diff | calibrate``.
 
 Verbs that run JAX programs on simulated devices set ``XLA_FLAGS`` before JAX starts its
 backend (``--devices N``, default 8), so they work on a machine without accelerators.
@@ -8,6 +8,7 @@ Example:
     $ autopar plan gpt --preset gpt3-175b --batch 1536 --cluster dgx-a100-80gb --nodes 48 \
           --mesh data=48,tensor=8 --out plan.json
     $ autopar show plan.json
+    $ autopar explain plan.json params/h/attn/q/kernel
 """
 
 from __future__ import annotations
@@ -121,6 +122,18 @@ def _cmd_show(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_explain(a: argparse.Namespace) -> int:
+    from autopar.explain import explain
+    from autopar.plan import Plan
+
+    plan = Plan.load(a.plan)
+    step, args = (None, ())
+    if a.model:
+        step, args = _model_step(a)
+    print(explain(plan, a.path, step=step, args=args))
+    return 0
+
+
 def _cmd_report(a: argparse.Namespace) -> int:
     from autopar.plan import Plan
     from autopar.report import write_report
@@ -184,6 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan")
     s.add_argument("--layers", type=int, default=4, help="layers to list")
     s.set_defaults(run=_cmd_show)
+    s = sub.add_parser(
+        "explain", help="one parameter or op of a saved plan: sharding, collectives, next best"
+    )
+    s.add_argument("plan")
+    s.add_argument("path", help="a leaf path (params/h/attn/q/kernel) or an op (h/attn/q)")
+    s.add_argument(
+        "--model",
+        help="the plan's model (as for `autopar plan`): price this leaf's alternatives",
+    )
+    s.add_argument("--preset", help="model preset (default tiny)")
+    s.add_argument("--batch", type=int, default=8)
+    s.set_defaults(run=_cmd_explain)
     s = sub.add_parser("report", help="write an HTML report for a saved plan")
     s.add_argument("plan")
     s.add_argument("--out", default="autopar-report")
