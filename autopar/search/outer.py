@@ -15,11 +15,12 @@ It runs in three steps, each priced by the planner's own model:
    identical layers and a scanned stack to one body), so a profile of GPT-3 175B costs a
    few seconds whatever the cluster.
 2. **Screen.** Every configuration (``pipe`` dividing the devices and at most the layer
-   count and dividing it; data replicas the rest; microbatch sizes dividing the per-replica batch; 1F1B,
-   interleaved 1F1B with 2 chunks when the layers divide; stage remat none or full) is
-   estimated from its group's profile in closed form (:func:`screen`): stages of ``1/p``
-   of the work, 1F1B's ``(m + (p - 1)/v)`` microbatch slots and ``2 (p - 1)`` boundary
-   sends, the data-parallel gradient all-reduce per microbatch (as the runtime runs it),
+   count and dividing it; data replicas the rest; microbatch sizes dividing the
+   per-replica batch; 1F1B, interleaved 1F1B with 2 chunks when the layers divide; stage
+   remat none or full) is estimated from its group's profile in closed form
+   (:func:`screen`): stages of ``1/p`` of the work, 1F1B's ``(m + (p - 1)/v)``
+   microbatch slots and ``2 (p - 1)`` boundary sends, the data-parallel gradient
+   reduce-scatter per microbatch (as the runtime runs it) and one all-gather per step,
    the update's share; memory, the stage's share of the state plus the in-flight
    activations (only the stage inputs under remat). A microbatch of ``b`` examples costs
    ``b`` times one example's seconds and bytes here; the finalists are priced at their
@@ -298,10 +299,17 @@ def screen(config: PipelineConfig, prof: Profile, cluster: Any) -> Screened:
     makespan = (m + (p - 1) / v) * (fwd + bwd) + 2 * (p - 1) * p2p
     grads = 0.0
     if c.data > 1 and prof.grad_bytes:
-        # The runtime reduces a microbatch's gradients over data before accumulating.
+        # The runtime reduces a microbatch's gradients over data before accumulating: at
+        # least a reduce-scatter each (the stage's layouts may keep gradients and state
+        # split over data, then gather the new parameters once per step), overlapped with
+        # the backward as the intra-op pricing overlaps dp_grad; an all-reduce per
+        # microbatch (twice the bytes) would rank many small microbatches below what
+        # their full price shows.
         eta = float(cluster.overlap_efficiency)
-        ar = ctx.collective("all-reduce", prof.grad_bytes / p, ("data",)).time_s
-        grads = m * ar * (1 - eta)
+        grad = prof.grad_bytes / p
+        rs = ctx.collective("reduce-scatter", grad, ("data",)).time_s
+        ag = ctx.collective("all-gather", grad, ("data",)).time_s
+        grads = (m * rs + ag) * (1 - eta)
     step = makespan + grads + prof.update_s / p
     act = prof.activation_bytes * scale / p  # one microbatch's, on one stage
     if p == 1:
