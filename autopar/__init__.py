@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 from autopar import (  # noqa: E402  (autopar.trace is callable: trace(fn, *args))
     baselines,  # noqa: E402
+    checkpoint,
     export,
     report,
     trace,
@@ -82,6 +83,7 @@ __all__ = [
     "autoparallel",
     "complete",
     "baselines",
+    "checkpoint",
     "evaluate",
     "explain",
     "export",
