@@ -22,8 +22,10 @@ without a plan cache, so **every process runs the search itself**; nothing is sh
 between them but the inputs. It plans for ``CLUSTER`` (one node of 8 ``cpu-sim``
 devices: the hardware the 1-process / 8-device reference plans for), checks with
 ``multihost_utils.assert_equal`` that both processes chose the same plan bytes (before
-any collective could hang on different programs), and writes the plan JSON, which mesh
-axes span both processes, and the losses of 2 free-running steps.
+any collective could hang on different programs), runs 2 free-running steps, saves the
+state reached with ``autopar.checkpoint`` (``OUT_DIR/ckpt``, step 2: each process
+writes its shards) and writes the plan JSON, which mesh axes span both processes, and
+the losses.
 
 ``outer`` (``DECORATED_LAYERS``): plans only, for the default cluster,
 ``Cluster.local()``, which here is 2 nodes (one per process) of 4 devices, and so goes
@@ -62,13 +64,14 @@ def decorated(step, cluster=CLUSTER):
     return autopar.autoparallel(step, cluster=cluster, cache=False)
 
 
-def run_steps(fn, state, batch) -> list[float]:
-    """``STEPS`` free-running steps of ``fn`` from ``state``; their losses."""
+def run_steps(fn, state, batch, *, final: bool = False):
+    """``STEPS`` free-running steps of ``fn`` from ``state``: their losses (and the state
+    reached, with ``final``)."""
     losses, s = [], state
     for _ in range(STEPS):
         s, loss = fn(s, batch)
         losses.append(float(loss))
-    return losses
+    return (losses, s) if final else losses
 
 
 def cross_process_axes(mesh) -> list[str]:
@@ -84,7 +87,7 @@ def cross_process_axes(mesh) -> list[str]:
     ]
 
 
-def _pipeline() -> dict:
+def _pipeline(out_dir: str) -> dict:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -125,7 +128,7 @@ def _pipeline() -> dict:
     }
 
 
-def _autoparallel() -> dict:
+def _autoparallel(out_dir: str) -> dict:
     import numpy as np
     from jax.experimental import multihost_utils
 
@@ -144,14 +147,21 @@ def _autoparallel() -> dict:
     # keeping its own shards), so the first and later calls share one compiled program.
     state, batch = train_step.lower(state, batch).place_inputs((state, batch))
     t0 = time.perf_counter()
-    losses = run_steps(train_step, state, batch)
+    losses, reached = run_steps(train_step, state, batch, final=True)
     run_s = time.perf_counter() - t0
     mesh = train_step.lower(state, batch).mesh
+    # Both processes save the state reached, each writing only its own shards.
+    from autopar import checkpoint
+
+    t0 = time.perf_counter()
+    checkpoint.save(os.path.join(out_dir, "ckpt"), reached, plan, step=STEPS)
+    save_s = time.perf_counter() - t0
     return {
         "plan_json": text,
         "plan_sha256": digest,
         "search_s": search_s,
         "run_s": run_s,
+        "save_s": save_s,
         "timings": train_step.last_timings,
         "mesh_axes": list(mesh.axis_names),
         "cross_process_axes": cross_process_axes(mesh),
@@ -159,7 +169,7 @@ def _autoparallel() -> dict:
     }
 
 
-def _outer() -> dict:
+def _outer(out_dir: str) -> dict:
     step, (state, batch) = build(DECORATED_LAYERS)
     train_step = decorated(step, cluster=None)  # Cluster.local(): 2 nodes (processes) x 4
     t0 = time.perf_counter()
@@ -185,7 +195,7 @@ def main(case: str, process_id: int, port: int, out_dir: str) -> None:
     assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
     assert jax.local_device_count() == 4
 
-    result = {"pipeline": _pipeline, "autoparallel": _autoparallel, "outer": _outer}[case]()
+    result = {"pipeline": _pipeline, "autoparallel": _autoparallel, "outer": _outer}[case](out_dir)
     result["process_id"] = process_id
     with open(os.path.join(out_dir, f"{case}_{process_id}.json"), "w") as f:
         json.dump(result, f)

@@ -12,7 +12,9 @@ with it is the case:
   check it among themselves with ``multihost_utils.assert_equal`` before running, since
   processes running different programs would hang in a collective). The plan must
   shard something over an axis that spans both processes, and the losses must equal this
-  process's 8-device run of the same decorated step and single-device ``jax.jit``.
+  process's 8-device run of the same decorated step. Both processes then save the state
+  with ``autopar.checkpoint`` (each its own shards); this process restores it on its 8
+  devices and its next loss is the 1-process run's.
 * ``outer`` (slow): the search for the default cluster, ``Cluster.local()``, which for 2
   processes is 2 nodes of 4 devices and goes through the 4D outer loop; same bytes in
   both processes.
@@ -39,7 +41,7 @@ import jax
 import numpy as np
 import pytest
 
-from autopar import baselines
+from autopar import baselines, checkpoint
 from autopar.lower import lower_plan
 from autopar.plan import Plan, idle_axes, spec_axes
 from tests.lower import _distributed_worker as worker
@@ -140,7 +142,8 @@ def test_two_processes_search_one_plan_and_give_one_process_losses(tmp_path):
         train_step = worker.decorated(step)
         plan = train_step.plan_for(state, batch)
         placed = train_step.lower(state, batch).place_inputs((state, batch))
-        local = worker.run_steps(train_step, *placed)
+        local, reached = worker.run_steps(train_step, *placed, final=True)
+        _, next_loss = train_step(reached, placed[1])
         got = workers.results()
 
     # Each process searched (no plan cache, nothing shared) and all chose the same bytes.
@@ -166,6 +169,14 @@ def test_two_processes_search_one_plan_and_give_one_process_losses(tmp_path):
     # single-device jax.jit), in both processes.
     np.testing.assert_allclose(got[0]["losses"], got[1]["losses"], rtol=0)
     np.testing.assert_allclose(got[0]["losses"], local, rtol=LOSS_RTOL)
+
+    # The state the 2 processes saved (each its own shards) restores in this one process
+    # and continues as the 1-process run does.
+    assert checkpoint.steps(tmp_path / "ckpt") == (worker.STEPS,)
+    assert checkpoint.saved_plan(tmp_path / "ckpt") == plan
+    restored = checkpoint.restore(tmp_path / "ckpt", plan)
+    _, loss = train_step(restored, placed[1])
+    np.testing.assert_allclose(float(loss), float(next_loss), rtol=LOSS_RTOL)
 
 
 @pytest.mark.slow
