@@ -138,6 +138,15 @@ def test_restore_into_explicit_shardings(run, tmp_path):
     assert back["params"]["layer_0"]["w"].sharding.spec == jax.sharding.PartitionSpec("b")
 
 
+def test_keep_only_the_newest_steps(tmp_path):
+    for k in range(4):
+        checkpoint.save(tmp_path, {"k": np.full((4,), k, np.int32)}, step=10 * k, keep=2)
+    assert checkpoint.steps(tmp_path) == (20, 30) and checkpoint.latest_step(tmp_path) == 30
+    like = {"k": np.zeros((4,), np.int32)}
+    target = {"k": jax.sharding.SingleDeviceSharding(jax.devices()[0])}
+    assert (np.asarray(checkpoint.restore(tmp_path, target, like=like)["k"]) == 3).all()
+
+
 def test_bad_input_is_explained(run, tmp_path):
     _, batch, _, plan, state1 = run
     with pytest.raises(SaveCheckpointError, match="not an array"):
