@@ -15,6 +15,11 @@ def test_demo_plans_runs_and_checks_itself(tmp_path):
     assert len(result.losses_parallel) == 2
     assert result.max_rel_error <= 1e-5
     assert result.ok
+    # The run exercises sharding (a replicated plan would pass the loss check too): the
+    # batch's tokens are split over data.
+    tokens = dict(result.splits).get("batch/tokens", ())
+    assert "data" in tokens, result.splits
+    assert "The plan splits" in text
     # verify compared collectives and memory with what XLA compiled, and found them within
     # the acceptance bounds; the state was donated, so memory is compared in place.
     assert "ok: True" in text
