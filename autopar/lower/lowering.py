@@ -209,16 +209,21 @@ def check_leaves(
 def _check_spec(spec: Spec, shape: Sequence[int], mesh: Mesh, where: str) -> None:
     if len(spec) > len(shape):
         raise LowerPlanError(
-            f"{where}: spec {spec} has {len(spec)} entries for a rank-{len(shape)} tensor."
+            f"{where}: spec {spec} has {len(spec)} entries for a rank-{len(shape)} tensor"
+            "; fix the spec in the plan (Plan JSON) or re-plan with autopar.plan(...)."
         )
     used = spec_axes(spec)
     for ax in used:
         if ax not in mesh.shape:
             raise LowerPlanError(
-                f"{where}: spec {spec} uses axis {ax!r}, not in the mesh {dict(mesh.shape)}."
+                f"{where}: spec {spec} uses axis {ax!r}, not in the mesh {dict(mesh.shape)}"
+                "; fix the spec in the plan (Plan JSON) or re-plan with autopar.plan(...)."
             )
     if len(set(used)) != len(used):
-        raise LowerPlanError(f"{where}: spec {spec} uses a mesh axis twice.")
+        raise LowerPlanError(
+            f"{where}: spec {spec} uses a mesh axis twice"
+            "; fix the spec in the plan (Plan JSON) or re-plan with autopar.plan(...)."
+        )
     for d, entry in enumerate(spec):
         if entry is None:
             continue

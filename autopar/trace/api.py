@@ -163,7 +163,7 @@ def check_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         >>> check_arguments(lambda w, x: x, ("weights", np.ones(2)), {})
         Traceback (most recent call last):
         ...
-        autopar.errors.TraceFunctionError: argument leaf w is a str ('weights'); ...
+        autopar.errors.TraceFunctionError: argument leaf w is of type str ('weights'); ...
     """
     leaves, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
     for kp, leaf in leaves:
@@ -181,7 +181,7 @@ def check_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         )
         where = "/".join([head, *keys])
         raise TraceFunctionError(
-            f"argument leaf {where} is a {type(leaf).__name__} ({leaf!r:.60}); a step takes "
+            f"argument leaf {where} is of type {type(leaf).__name__} ({leaf!r:.60}); a step takes "
             f"pytrees of arrays, jax.ShapeDtypeStruct or Python scalars. Pass it as an array "
             f"(jnp.asarray), mark its argument static (static_argnums / static_argnames), or "
             f"close over it (functools.partial)."
