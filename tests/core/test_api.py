@@ -107,11 +107,16 @@ def test_gpt_lower_exposes_hlo_and_memory():
     f = autopar.autoparallel(
         step,
         cluster="dgx-a100-80gb",
-        options=autopar.SearchOptions(mesh={"data": 2, "tensor": 4}),
+        # Unbounded, this plan is fully replicated; under 4 MB (of ~6.6 MB replicated) it
+        # has to split something, so the HLO checks below see a sharded program.
+        options=autopar.SearchOptions(mesh={"data": 2, "tensor": 4}, memory_limit_bytes=4_000_000),
         cache=False,
     )
+    plan = f.plan_for(state, batch)
+    assert plan.input("batch/tokens").spec == ("data", None)
     lowered = f.lower(state, batch)
-    assert "sharding" in lowered.hlo_text()
+    hlo = lowered.hlo_text()
+    assert "sharding" in hlo and "all-reduce" in hlo  # data-parallel gradients are reduced
     assert lowered.memory_analysis() is not None
 
 
