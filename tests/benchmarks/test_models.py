@@ -411,8 +411,6 @@ def test_chunked_attention_gradients_equal_full_attention_gradients():
     rng = np.random.default_rng(1)
     q, k, v, w = (jnp.asarray(rng.standard_normal((2, 16, 3, 8)), jnp.float32) for _ in range(4))
     want = jax.grad(lambda *a: (full(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
-    got = jax.grad(lambda *a: (gpt.chunked_attention(*a, 4) * w).sum(), argnums=(0, 1, 2))(
-        q, k, v
-    )
+    got = jax.grad(lambda *a: (gpt.chunked_attention(*a, 4) * w).sum(), argnums=(0, 1, 2))(q, k, v)
     for g, e in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5)
