@@ -9,7 +9,7 @@ import pytest
 
 import autopar
 from autopar.errors import InvalidOptionError, LoadPlanError
-from autopar.plan import Plan
+from autopar.plan import Plan, spec_axes
 from benchmarks.models import gpt, mlp
 
 LOSS_RTOL = 1e-5  # DESIGN.md: loss to 1e-5 relative in f32
@@ -33,10 +33,14 @@ def _single_device_losses(step, state, batch, steps):
 def test_decorated_step_matches_single_device(mlp_step, tmp_path):
     step, (state, batch) = mlp_step
     ref, ref_state = _single_device_losses(step, state, batch, 3)
+    # Under half the replicated footprint the plan must split (a replicated plan would
+    # pass the loss check without exercising any sharding).
+    one = autopar.plan(step, state, batch, options=autopar.SearchOptions(mesh={"data": 1}))
+    bound = 0.5 * one.predicted.memory_bytes_per_device
     f = autopar.autoparallel(
         step,
         cluster="cpu-sim",
-        options=autopar.SearchOptions(mesh={"data": 4, "tensor": 2}),
+        options=autopar.SearchOptions(mesh={"data": 4, "tensor": 2}, memory_limit_bytes=bound),
         cache=str(tmp_path),
     )
     s, losses = state, []
@@ -47,18 +51,31 @@ def test_decorated_step_matches_single_device(mlp_step, tmp_path):
     # Outputs come back laid out as planned, so the next call needs no movement.
     plan = f.plan_for(state, batch)
     assert dict(plan.mesh) == {"data": 4, "tensor": 2}
-    leaf = jax.tree.leaves(s)[0]
-    assert leaf.sharding.mesh.shape == {"data": 4, "tensor": 2}
+    assert plan.predicted.memory_bytes_per_device <= bound
+    split = [
+        (r, leaf)
+        for r, leaf in zip(plan.inputs, jax.tree.leaves((s, batch)), strict=True)
+        if r.path.startswith("state/params/") and spec_axes(r.spec)
+    ]
+    assert split, "no parameter is split"
+    for r, leaf in split:
+        assert leaf.sharding.mesh.shape == {"data": 4, "tensor": 2}
+        assert tuple(leaf.sharding.spec) + (None,) * (len(r.spec) - len(leaf.sharding.spec)) == (
+            tuple(r.spec)
+        )
     # The user's original arrays were not donated.
     assert all(not x.is_deleted() for x in jax.tree.leaves(state))
 
 
 def test_replay_saved_plan_and_refuse_mismatch(mlp_step, tmp_path):
     step, (state, batch) = mlp_step
-    f = autopar.autoparallel(
-        step, cluster="cpu-sim", options=autopar.SearchOptions(mesh={"data": 8}), cache=False
+    one = autopar.plan(step, state, batch, options=autopar.SearchOptions(mesh={"data": 1}))
+    opts = autopar.SearchOptions(
+        mesh={"data": 8}, memory_limit_bytes=0.5 * one.predicted.memory_bytes_per_device
     )
+    f = autopar.autoparallel(step, cluster="cpu-sim", options=opts, cache=False)
     plan = f.plan_for(state, batch)
+    assert any(spec_axes(r.spec) == ("data",) for r in plan.inputs)  # the replay shards
     path = tmp_path / "plan.json"
     plan.save(path)
     replay = autopar.autoparallel(step, plan=str(path), cache=False)
