@@ -6,9 +6,10 @@ what to do about it. Names follow ``<Verb><Object>Error`` where there is a verb 
 
 from __future__ import annotations
 
-
-class AutoparError(Exception):
-    """Base class of every error autopar raises on purpose."""
+# The root class lives in cost_models (which never imports autopar), so that the cost
+# models' own CostModelError is an AutoparError too.
+from cost_models.errors import AutoparError as AutoparError
+from cost_models.errors import CostModelError as CostModelError
 
 
 class InvalidOptionError(AutoparError, ValueError):

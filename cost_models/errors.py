@@ -1,7 +1,10 @@
-"""The one error type cost_models raises on purpose.
+"""The one error type cost_models raises on purpose, and the root of the project's errors.
 
-``cost_models`` never imports ``autopar``, so it cannot use ``AutoparError``; callers catch
-:class:`CostModelError` (a ``ValueError``) and may re-raise it as their own.
+``cost_models`` never imports ``autopar``, so the root class every deliberate error of the
+project derives from, :class:`AutoparError`, is defined here and re-exported by
+``autopar.errors``: a user's ``except autopar.AutoparError`` also catches a cluster
+described with impossible numbers (``Cluster.preset("dgx-h100", nodes=0)``), and
+:class:`CostModelError` stays a ``ValueError`` for code that catches that.
 """
 
 from __future__ import annotations
@@ -9,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-class CostModelError(ValueError):
+class AutoparError(Exception):
+    """Base class of every error autopar (the compiler and its cost models) raises on
+    purpose; ``autopar.AutoparError`` is this class."""
+
+
+class CostModelError(AutoparError, ValueError):
     """An input to a cost model was invalid; the message says what and lists allowed values."""
 
 

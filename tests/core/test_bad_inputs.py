@@ -186,6 +186,12 @@ def test_impossible_mesh_and_cluster_numbers():
         _decorate(step, cluster=8)(W, X)
     with pytest.raises(UnknownPresetError, match=r"unknown cluster preset 'dgx-z900'; known: "):
         _decorate(step, cluster="dgx-z900")(W, X)
+    # A cluster described with impossible numbers, before autopar sees it: the cost models'
+    # error is an AutoparError too (and still a ValueError).
+    for bad in ({"nodes": 0}, {"nodes": 2.5}, {"nodes": -1}):
+        with pytest.raises(AutoparError, match=r"nodes must be an integer") as e:
+            Cluster.preset("dgx-h100", **bad)
+        assert isinstance(e.value, ValueError)
 
 
 def test_a_solver_out_of_time_returns_its_best_plan_with_a_warning():
