@@ -185,6 +185,7 @@ def _signature_guard(
                 setattr(guarded, attr, getattr(body, attr))
             except (AttributeError, TypeError):
                 pass
+    guarded.__wrapped__ = body  # type: ignore[attr-defined]  (inspect.unwrap finds the step)
     return guarded
 
 
