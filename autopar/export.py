@@ -481,17 +481,15 @@ def _complete_as_planned(graph: Any, plan: Plan, cluster: Any) -> Plan:
     ``autopar.complete`` completes a plan without pins the way XLA's propagation would
     (``PROPAGATION_PENALTY``), which is right for a hand-written baseline but not for
     specs exported from a searched plan: their activations were chosen by the planner's
-    own objective. So this solves the same completion problem without that penalty: given
-    a searched plan's input and output layouts, the search's optimum stays optimal, and
-    the plan lowers to the original's collectives (``tests/core/test_export.py``).
+    own objective. So this completes it by that objective
+    (``complete_plan(..., as_propagation=False)``): given a searched plan's input and
+    output layouts, the search's optimum stays optimal, and the plan lowers to the
+    original's collectives (``tests/core/test_export.py``).
     """
     import dataclasses
 
     import cost_models
-    from autopar.search import evaluate as ev_mod
-    from autopar.search.costs import CostContext
-    from autopar.search.ilp import build
-    from autopar.search.solver import solve
+    from autopar.search.evaluate import complete_plan
     from cost_models import Cluster
 
     if cluster is None:
@@ -503,28 +501,10 @@ def _complete_as_planned(graph: Any, plan: Plan, cluster: Any) -> Plan:
             f"the specs' mesh {dict(plan.mesh)} needs {plan.num_devices} devices; the "
             f"cluster has {cluster.num_devices}: pass a mesh or cluster that agree."
         )
-    fixed, raw = ev_mod.plan_constraints(graph, plan)
-    # The completion problem of autopar.search.evaluate.complete_layouts, with the
-    # planner's objective (no propagation penalty); the helpers are the search's own.
-    bp = build(
-        graph,
-        CostContext(cluster, plan.mesh),
-        fixed_inputs=fixed,
-        constraints=ev_mod._resolve_constraints(graph, raw),
-        coarsen_groups=True,
-        replication_penalty_s=0.0,
-        operand_constraints=ev_mod._operand_constraints(graph, plan),
-    )
-    sol = solve(bp.problem, 60.0, num_workers=1)
-    if not sol.ok:
-        raise ImportSpecsError(
-            f"could not complete the layouts for these specs (solver status {sol.status})."
-        )
-    evaluation = ev_mod.decode(bp, sol.choice, status=sol.status)
+    try:
+        done = complete_plan(graph, plan, cluster, as_propagation=False)
+    except LoadPlanError as e:
+        raise ImportSpecsError(f"could not complete the layouts for these specs: {e}") from e
     return dataclasses.replace(
-        plan,
-        activations=ev_mod.pinned_activations(bp, sol.choice),
-        predicted=evaluation.to_predicted(),
-        cluster=cluster.to_json(),
-        cost_model_version=cost_models.COST_MODEL_VERSION,
+        done, cluster=cluster.to_json(), cost_model_version=cost_models.COST_MODEL_VERSION
     )

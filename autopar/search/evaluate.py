@@ -430,6 +430,7 @@ def _complete(
     time_limit_s: float,
     coarsen: bool,
     accumulation: Any = None,
+    as_propagation: bool = True,
 ) -> tuple[BuiltProblem, Any]:
     if plan.pipeline is not None and plan.pipeline.num_stages > 1:
         raise InvalidOptionError(
@@ -444,10 +445,11 @@ def _complete(
     ctx = CostContext(cluster, plan.mesh)
     # A plan with pinned activations (the planner's, or complete_plan's) is complete: its
     # remaining freedom (loop-body inputs) is resolved at the cheapest, as planned. Only
-    # a plan that pins nothing is completed the way propagation would.
+    # a plan that pins nothing is completed the way propagation would (unless the caller
+    # asks for the planner's own objective: ``as_propagation=False``).
     penalty = (
         0.0
-        if plan.activations
+        if plan.activations or not as_propagation
         else PROPAGATION_PENALTY * ctx.latency("all-reduce", tuple(plan.mesh))
     )
     m = plan.pipeline.microbatches if plan.pipeline is not None else 1
@@ -563,8 +565,13 @@ def complete_plan(
     time_limit_s: float = 60.0,
     coarsen: bool = True,
     memory_limit_bytes: float | None = None,
+    as_propagation: bool = True,
 ) -> Plan:
     """``plan`` with every activation layout pinned and its prediction filled in.
+
+    ``as_propagation``: complete a plan that pins nothing the way XLA's propagation would
+    (right for a hand-written baseline); ``False``: by the planner's own objective (right
+    for layouts exported from a searched plan, :func:`autopar.export.plan_from_specs`).
 
     A hand-written plan (``autopar.baselines``) fixes only the inputs' and outputs'
     layouts; XLA decides the rest when it compiles. Completing it first (as
@@ -580,7 +587,7 @@ def complete_plan(
     """
     import dataclasses
 
-    bp, sol = _complete(graph, plan, cluster, time_limit_s, coarsen)
+    bp, sol = _complete(graph, plan, cluster, time_limit_s, coarsen, as_propagation=as_propagation)
     ev = decode(bp, sol.choice, status=sol.status, memory_limit=memory_limit_bytes)
     return dataclasses.replace(
         plan,
