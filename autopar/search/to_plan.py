@@ -37,7 +37,7 @@ from autopar.search.evaluate import decode, pinned_activations, rename_spec
 from autopar.search.ilp import BuiltProblem
 from autopar.search.intra_op import MeshResult
 from autopar.search.meshes import expert_dims
-from autopar.search.sharding import to_plan_spec
+from autopar.search.sharding import Sharding, to_plan_spec
 from autopar.trace.graph import Graph
 
 _UNUSED_AXIS_NAMES = ("data", "tensor", "seq", "fsdp", "expert")
@@ -191,29 +191,60 @@ def _layers(
     return tuple(LayerStrategy(name, tuple(per_layer[name])) for name in order)
 
 
+def zero_stage_of(
+    batch: Sequence[Sharding],
+    params: Sequence[tuple[Sharding, int]],
+    opt_state: Sequence[tuple[Sharding, int]],
+) -> int:
+    """The ZeRO stage a layout amounts to: 3 when most parameter bytes are split over the
+    data-parallel axes, 1 when (only) most optimizer-state bytes are, else 0.
+
+    The data-parallel axes are those that split the leading (batch) dimension of every
+    batch input whose leading dimension is split at all: an axis that splits one input's
+    batch dimension beside another (a mask over ``('data', 'tensor')`` beside tokens over
+    ``data``) is not one, so a tensor-parallel model does not read as ZeRO-3. "Most" is by
+    bytes: a plan that splits only its embedding table over ``data`` is not ZeRO-3.
+
+    Args:
+        batch: the batch inputs' layouts (a tuple of axis tuples per dimension).
+        params: ``(layout, bytes)`` per parameter.
+        opt_state: ``(layout, bytes)`` per optimizer-state leaf.
+
+    Example:
+        >>> tokens, mask = (("data",), ()), (("data", "tensor"), ())
+        >>> w, emb = ((), ("tensor",)), (("data",), ())
+        >>> zero_stage_of([tokens, mask], [(w, 90), (emb, 10)], [])   # tensor parallel
+        0
+        >>> zero_stage_of([tokens], [(((), ("data",)), 90), (emb, 10)], [])
+        3
+    """
+    split = [set(spec[0]) for spec in batch if spec and spec[0]]
+    if not split:
+        return 0
+    axes = set.intersection(*split)
+
+    def mostly(leaves: Sequence[tuple[Sharding, int]]) -> bool:
+        total = sum(n for _, n in leaves)
+        over = sum(n for spec, n in leaves if any(a in axes for dim in spec for a in dim))
+        return total > 0 and 2 * over >= total
+
+    if mostly(params):
+        return 3
+    return 1 if mostly(opt_state) else 0
+
+
 def _zero_stage(bp: BuiltProblem, choice: Sequence[int]) -> int:
     g = bp.graph
-    batch_axes = {
-        a
-        for gi in g.inputs
-        if gi.role == "batch"
-        for a in (bp.spec_of_input(gi.index, choice) or ((),))[0]
-    }
-    if not batch_axes:
-        return 0
 
-    def uses(role: str) -> bool:
-        return any(
-            a in batch_axes
+    def leaves(role: str) -> list[tuple[Sharding, int]]:
+        return [
+            (bp.spec_of_input(gi.index, choice), gi.tensor.nbytes)
             for gi in g.inputs
             if gi.role == role
-            for dim in bp.spec_of_input(gi.index, choice)
-            for a in dim
-        )
+        ]
 
-    if uses("param"):
-        return 3
-    return 1 if uses("opt_state") else 0
+    batch = [spec for spec, _ in leaves("batch")]
+    return zero_stage_of(batch, leaves("param"), leaves("opt_state"))
 
 
 def write_plan(
@@ -265,4 +296,4 @@ def write_plan(
     )
 
 
-__all__ = ["describe_strategy", "role_names", "write_plan"]
+__all__ = ["describe_strategy", "role_names", "write_plan", "zero_stage_of"]
