@@ -8,9 +8,11 @@ Communication comes in classes (seconds per step, as collectives.py computes the
   it hides behind any compute (forward or backward).
 * ``pipeline_p2p``: activations sent between pipeline stages, asynchronous, hides behind
   any compute.
-* ``tensor``, ``seq``, ``expert``, ``reshard``: collectives whose result the very next op
-  needs (tensor-parallel all-reduces, sequence/context exchanges, MoE all-to-alls,
-  resharding). They sit on the critical path: always exposed.
+* ``tensor``, ``seq``, ``expert``, ``reshard``, ``batch_reduce``: collectives whose result
+  the very next op needs (tensor-parallel all-reduces, sequence/context exchanges, MoE
+  all-to-alls, resharding, and reductions over the data-parallel axes of values that are
+  not gradients: the loss, metrics, batch statistics). They sit on the critical path:
+  always exposed.
 
 A compute second hides at most ``overlap_efficiency`` communication seconds (collective
 kernels take SMs and HBM bandwidth from the compute they run beside), and each compute
@@ -44,9 +46,10 @@ COMM_CLASSES: tuple[str, ...] = (
     "seq",
     "expert",
     "reshard",
+    "batch_reduce",
 )
 HIDEABLE_CLASSES: tuple[str, ...] = ("dp_grad", "fsdp_gather", "pipeline_p2p")
-EXPOSED_CLASSES: tuple[str, ...] = ("tensor", "seq", "expert", "reshard")
+EXPOSED_CLASSES: tuple[str, ...] = ("tensor", "seq", "expert", "reshard", "batch_reduce")
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ def collective_class(
     coll: Collective,
     *,
     gradient: bool = False,
+    scalar: bool = False,
     source: Op | None = None,
     into_state: bool = False,
     rename: Mapping[str, str] | None = None,
@@ -87,8 +88,10 @@ def collective_class(
     reduction (``dp_grad``); a reshard that moves a parameter or optimizer state out of
     its stored layout, or an update into it (``into_state``), is an FSDP gather
     (``fsdp_gather``); the rest is named after the mesh axes it runs over
-    (:func:`autopar.axes.exposed_class`): ``seq``, ``expert``, ``tensor``, else ``tensor``
-    for a strategy's collective and ``reshard`` for a reshard.
+    (:func:`autopar.axes.exposed_class`): ``seq``, ``expert``, ``tensor``; else a
+    forward op's own reduction to a scalar (``scalar``: the loss, a metric) is
+    ``batch_reduce``, any other strategy's collective ``tensor``, and a reshard
+    ``reshard``.
 
     Example:
         >>> collective_class(Collective("all-reduce", ("tensor",), 8.0, 1e-6))
@@ -103,7 +106,9 @@ def collective_class(
     named = exposed_class(rename.get(a, a) for a in coll.axes)
     if named is not None:
         return named
-    return "tensor" if source is None else "reshard"
+    if source is None:
+        return "batch_reduce" if scalar else "tensor"
+    return "reshard"
 
 
 @dataclass(frozen=True)
@@ -141,13 +146,21 @@ class StrategyPrice:
         return tuple(c.combined for c in self.collectives if c.combined is not None)
 
 
+def scalar_result(op: Op) -> bool:
+    """A forward op whose results are scalars (the loss, a metric): its reduction is over
+    the batch, whatever axes the batch is split on."""
+    outs = op.node.out_tensors
+    return op.phase == "forward" and bool(outs) and all(t.ndim == 0 for t in outs)
+
+
 def price_strategy(ctx: CostContext, op: Op, st: OpStrategy, *, gradient: bool) -> StrategyPrice:
     """Price ``op`` run as ``st`` (one execution; ``gradient``: :func:`is_gradient_op`)."""
     if not st.comm:
         return StrategyPrice(st.compute_s, st.flops)
     out = []
+    scalar = scalar_result(op)
     for c in st.comm:
-        cls = collective_class(c, gradient=gradient)
+        cls = collective_class(c, gradient=gradient, scalar=scalar)
         combined = None
         if cls == "dp_grad":
             combined = CombinedReduction(
@@ -292,7 +305,7 @@ def price_choice(
             for pc in price.collectives:
                 if pc.combined is not None:
                     combined[pc.combined] = None
-                emit(pc, op.weight, f"{op.name} (op)", gradient=gradient)
+                emit(pc, op.weight, f"{op.name} (op)", gradient=gradient, scalar=scalar_result(op))
             # Reads inside the group.
             for k, ref in enumerate(op.operands):
                 if ref is None or bp.op_group.get(ref.op, (-1,))[0] != g or k >= len(st.ins):
