@@ -548,8 +548,8 @@ def evaluate_plan(
         >>> ev = evaluate_plan(graph, dp, cluster)
         >>> dict(ev.mesh), f"{ev.step_time_s * 1e6:.1f} us", ev.fits
         ({'data': 8}, '91.7 us', True)
-        >>> sorted(ev.communication_by_class)
-        ['dp_grad', 'tensor']
+        >>> sorted(ev.communication_by_class)   # gradients, and the loss's mean over data
+        ['batch_reduce', 'dp_grad']
     """
     bp, sol = _complete(graph, plan, cluster, time_limit_s, coarsen, accumulation)
     return decode(
