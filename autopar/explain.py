@@ -450,9 +450,9 @@ def explain(
         plan: a plan (searched, loaded or hand-written).
         path: a leaf's path or path suffix (``params/h/attn/q/kernel``), or an op of
             ``plan.layers`` (``h/attn/q``, ``GPT/h/attn/q``).
-        step, args: the step function and its arguments (arrays or
-            ``ShapeDtypeStruct``s); given, the leaf's alternative layouts are priced
-            (:func:`price_alternatives`) instead of quoting the shortlist.
+        step: the step function; given (with ``args``), the leaf's alternative layouts
+            are priced (:func:`price_alternatives`) instead of quoting the shortlist.
+        args: the step's arguments (arrays or ``ShapeDtypeStruct``s).
         cluster: the hardware to price on (default: the plan's).
 
     Returns:
