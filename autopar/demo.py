@@ -150,12 +150,14 @@ def run_demo(
     verdict = "OK" if max_rel <= LOSS_RTOL else "MISMATCH"
     echo(f"Numerics: max relative loss error {max_rel:.2e} (tolerance {LOSS_RTOL:g}): {verdict}")
 
-    verify_text = str(f.verify(state, batch))
+    verify_report = f.verify(state, batch)
+    verify_text = str(verify_report)
     echo(verify_text)
     path = write_report(
         plan,
         out_dir,
         sections={"Loss check": loss_text + verdict, "Predicted vs compiled": verify_text},
+        verify=verify_report,
     )
     echo(f"Report written to {path}")
     return DemoResult(
