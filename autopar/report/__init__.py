@@ -1,7 +1,7 @@
 """Inspecting plans: text summaries, plots, an HTML report, and plan diffs."""
 
 from autopar.report.diff import diff
-from autopar.report.html import write_report
+from autopar.report.html import write_html, write_report
 from autopar.report.plots import save_plots
 from autopar.report.text import format_bytes, format_seconds, format_spec, summary
 
@@ -12,5 +12,6 @@ __all__ = [
     "format_spec",
     "save_plots",
     "summary",
+    "write_html",
     "write_report",
 ]

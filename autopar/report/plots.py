@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 
 from autopar.plan import Plan
@@ -78,7 +79,14 @@ def save_plots(plan: Plan | Sequence[Plan], out_dir: str) -> list[str]:
     ):
         fig = make(plans)
         path = os.path.join(out_dir, name)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".png")
+        os.close(fd)
+        try:  # atomically: a reader never sees half a PNG
+            fig.savefig(tmp, dpi=110, format="png")
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         paths.append(path)
     return paths

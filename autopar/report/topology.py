@@ -1,0 +1,295 @@
+"""The device mesh drawn over the cluster: nodes, the devices in each, and where each
+mesh axis runs (inside a node over NVLink / ICI, across nodes over the network).
+
+Devices are numbered as the cost model places them (:mod:`cost_models.cluster`): row-major
+over the mesh axes, outer first, so inner axes are packed into a node first.
+
+Example:
+    >>> mesh_coords({"data": 2, "tensor": 2})
+    [(0, 0), (0, 1), (1, 0), (1, 1)]
+    >>> p = axis_placement({"data": 4, "tensor": 2}, devices_per_node=4)
+    >>> p["tensor"].nodes, p["data"].nodes, p["data"].per_node
+    (1, 2, 2)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.report.svg import (
+    GRID,
+    INK,
+    MUTED,
+    axis_color,
+    esc,
+    ink_on,
+    rect,
+    svg,
+    text,
+    tint,
+)
+from autopar.report.words import LINK_WORDS, axis_words
+
+MAX_NODES_DRAWN = 16
+"""Nodes drawn in full; a bigger cluster shows its first ones and says how many more."""
+
+
+def mesh_coords(mesh: Mapping[str, int]) -> list[tuple[int, ...]]:
+    """Each device's coordinates on the mesh, device ``i`` at position ``i`` (row-major)."""
+    return list(itertools.product(*(range(n) for n in mesh.values())))
+
+
+@dataclass(frozen=True)
+class AxisPlacement:
+    """Where the collective groups of one mesh axis sit.
+
+    Attributes:
+        axis: the axis.
+        size: devices per group (the axis's size).
+        nodes: nodes one group touches.
+        per_node: most members of one group on one node.
+        links: the link levels its collectives cross (``intra``, ``inter`` or both).
+    """
+
+    axis: str
+    size: int
+    nodes: int
+    per_node: int
+    links: tuple[str, ...]
+
+
+def axis_placement(
+    mesh: Mapping[str, int],
+    devices_per_node: int,
+    intra: str = "nvlink",
+    inter: str = "infiniband",
+) -> dict[str, AxisPlacement]:
+    """For each axis, how the group holding device 0 sits on nodes of
+    ``devices_per_node`` (every group alike when the sizes are powers of two)."""
+    names = list(mesh)
+    strides: dict[str, int] = {}
+    s = 1
+    for a in reversed(names):
+        strides[a] = s
+        s *= mesh[a]
+    out = {}
+    for a in names:
+        members = [c * strides[a] for c in range(mesh[a])]
+        counts: dict[int, int] = {}
+        for i in members:
+            counts[i // devices_per_node] = counts.get(i // devices_per_node, 0) + 1
+        nodes, per = len(counts), max(counts.values())
+        if nodes == 1:
+            links: tuple[str, ...] = (intra,)
+        elif per == 1:
+            links = (inter,)
+        else:
+            links = (intra, inter)
+        out[a] = AxisPlacement(a, mesh[a], nodes, per, links)
+    return out
+
+
+@dataclass(frozen=True)
+class _Topo:
+    nodes: int
+    per_node: int
+    intra: str
+    inter: str
+    device: str
+    memory: float
+
+
+def _topology(plan_mesh: Mapping[str, int], cluster: Mapping[str, Any]) -> _Topo:
+    n = math.prod(plan_mesh.values()) if plan_mesh else 1
+    per = int(cluster.get("devices_per_node") or n)
+    nodes = int(cluster.get("num_nodes") or max(1, math.ceil(n / per)))
+    nodes = max(nodes, math.ceil(n / per))
+    device = cluster.get("device") or {}
+    return _Topo(
+        nodes=nodes,
+        per_node=per,
+        intra=str((cluster.get("intra") or {}).get("name", "nvlink")),
+        inter=str((cluster.get("inter") or {}).get("name", "infiniband")),
+        device=str(device.get("name", "device")),
+        memory=float(device.get("hbm_bytes", 0.0)),
+    )
+
+
+def link_text(links: Sequence[str]) -> str:
+    return " + ".join(LINK_WORDS.get(x, x) for x in links)
+
+
+def mesh_figure(mesh: Mapping[str, int], cluster: Mapping[str, Any]) -> str:
+    """The cluster's nodes with their devices; each device of the mesh shows its
+    coordinate on every axis in the axis's colour (class ``device``; devices of the
+    cluster outside the mesh: class ``spare``)."""
+    axes = list(mesh)
+    topo = _topology(mesh, cluster)
+    n = math.prod(mesh.values()) if mesh else 1
+    coords = mesh_coords(mesh)
+    cell_w = 84
+    band_h = 17
+    cell_h = 26 + band_h * max(len(axes), 1)
+    gap, pad = 8, 12
+    node_w = pad * 2 + topo.per_node * cell_w + (topo.per_node - 1) * gap
+    node_h = 30 + cell_h + pad
+    width_budget = 1080
+    per_row = max(1, min(topo.nodes, int((width_budget + 16) // (node_w + 16))))
+    drawn = min(topo.nodes, MAX_NODES_DRAWN)
+    rows = math.ceil(drawn / per_row)
+    width = per_row * node_w + (per_row - 1) * 16
+    height = rows * (node_h + 16) + (22 if drawn < topo.nodes else 0)
+    body: list[str] = []
+    for k in range(drawn):
+        nx = (k % per_row) * (node_w + 16)
+        ny = (k // per_row) * (node_h + 16)
+        body.append(rect(nx, ny, node_w, node_h, "#f4f6f8", rx=10, stroke=GRID, cls="node", node=k))
+        body.append(
+            text(
+                nx + pad,
+                ny + 15,
+                f"node {k}  ·  {topo.per_node} x {topo.device}  ·  {LINK_WORDS.get(topo.intra, topo.intra)} inside",
+                size=11.5,
+                weight="600",
+                fill=INK,
+            )
+        )
+        for j in range(topo.per_node):
+            dev = k * topo.per_node + j
+            x = nx + pad + j * (cell_w + gap)
+            y = ny + 28
+            if dev >= n:
+                body.append(
+                    rect(
+                        x,
+                        y,
+                        cell_w,
+                        cell_h,
+                        "#eceff2",
+                        rx=6,
+                        stroke=GRID,
+                        cls="spare",
+                        title=f"device {dev}: in the cluster, not in the mesh (idle)",
+                        device=dev,
+                    )
+                )
+                body.append(
+                    text(x + cell_w / 2, y + 13, f"#{dev}", size=11, anchor="middle", fill=MUTED)
+                )
+                body.append(
+                    text(
+                        x + cell_w / 2,
+                        y + cell_h / 2 + 6,
+                        "idle",
+                        size=10,
+                        anchor="middle",
+                        fill=MUTED,
+                    )
+                )
+                continue
+            c = coords[dev]
+            where = ", ".join(f"{a}={v}" for a, v in zip(axes, c, strict=True))
+            body.append(
+                rect(
+                    x,
+                    y,
+                    cell_w,
+                    cell_h,
+                    "#ffffff",
+                    rx=6,
+                    stroke="#9aa5b1",
+                    cls="device",
+                    title=f"device {dev} (node {k}): {where}",
+                    device=dev,
+                    coords=where,
+                )
+            )
+            body.append(
+                text(x + cell_w / 2, y + 13, f"#{dev}", size=11.5, anchor="middle", weight="600")
+            )
+            for b, (a, v) in enumerate(zip(axes, c, strict=True)):
+                col = axis_color(a, axes)
+                shade = tint(col, 0.72 - 0.72 * (v / max(mesh[a] - 1, 1)))
+                by = y + 24 + b * band_h
+                body.append(rect(x + 5, by, cell_w - 10, band_h - 3, shade, rx=3))
+                body.append(
+                    text(x + cell_w / 2, by + (band_h - 3) / 2 + 0.5, f"{a} {v}", size=10,
+                         anchor="middle", fill=ink_on(shade))
+                )  # fmt: skip
+    if drawn < topo.nodes:
+        body.append(
+            text(0, height - 8, f"... and {topo.nodes - drawn} more nodes like these", size=12,
+                 fill=MUTED)
+        )  # fmt: skip
+    return svg(width, height, body, label=f"mesh of {n} devices over {topo.nodes} nodes",
+               cls="fig mesh-fig")  # fmt: skip
+
+
+def axis_maps(mesh: Mapping[str, int], cluster: Mapping[str, Any]) -> str:
+    """One small map per axis: every device shaded by its coordinate on that axis (the
+    devices of one shade row make a collective group together), with the links its
+    collectives cross."""
+    axes = list(mesh)
+    topo = _topology(mesh, cluster)
+    coords = mesh_coords(mesh)
+    n = len(coords)
+    places = axis_placement(mesh, topo.per_node, topo.intra, topo.inter)
+    drawn_nodes = min(topo.nodes, MAX_NODES_DRAWN)
+    cell, gap, node_gap = 15, 2, 8
+    out = []
+    for i, a in enumerate(axes):
+        col = axis_color(a, axes)
+        pl = places[a]
+        body = []
+        x = 0.0
+        for k in range(drawn_nodes):
+            for j in range(topo.per_node):
+                dev = k * topo.per_node + j
+                if dev >= n:
+                    body.append(rect(x, 0, cell, cell, "#eceff2", rx=2))
+                else:
+                    v = coords[dev][i]
+                    shade = tint(col, 0.8 - 0.8 * (v / max(mesh[a] - 1, 1)))
+                    body.append(rect(x, 0, cell, cell, shade, rx=2, title=f"device {dev}: {a}={v}",
+                                     cls="mini"))  # fmt: skip
+                x += cell + gap
+            x += node_gap
+        fig = svg(x, cell, body, label=f"devices by {a} coordinate", cls="axis-map")
+        if mesh[a] == 1:
+            where = "size 1: no collectives"
+        elif pl.nodes == 1:
+            where = f"groups of {pl.size} inside one node over {link_text(pl.links)}"
+        elif pl.per_node == 1:
+            where = f"groups of {pl.size}, one device per node, across {pl.nodes} nodes over {link_text(pl.links)}"
+        else:
+            where = (
+                f"groups of {pl.size}: {pl.per_node} per node over {pl.nodes} nodes "
+                f"({link_text(pl.links)})"
+            )
+        out.append(
+            f'<div class="axis-row" data-axis="{esc(a)}" data-links="{esc(" ".join(pl.links))}">'
+            f'<span class="swatch" style="background:{col}"></span>'
+            f'<span class="axis-name">{esc(a)} = {mesh[a]}</span>'
+            f'<span class="axis-what">{esc(axis_words(a))}; {esc(where)}</span>{fig}</div>'
+        )
+    return "".join(out)
+
+
+def topology_summary(mesh: Mapping[str, int], cluster: Mapping[str, Any]) -> str:
+    """A sentence: the cluster, and how much of it the mesh uses."""
+    topo = _topology(mesh, cluster)
+    n = math.prod(mesh.values()) if mesh else 1
+    total = topo.nodes * topo.per_node
+    name = cluster.get("name", "cluster")
+    text_ = (
+        f"{name}: {topo.nodes} node{'s' if topo.nodes != 1 else ''} x {topo.per_node} "
+        f"{topo.device}, {LINK_WORDS.get(topo.intra, topo.intra)} inside a node, "
+        f"{LINK_WORDS.get(topo.inter, topo.inter)} between nodes. The mesh "
+        + " x ".join(f"{a}={s}" for a, s in mesh.items())
+        + f" uses {n} of its {total} devices."
+    )
+    return text_
