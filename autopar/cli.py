@@ -136,9 +136,13 @@ def _cmd_explain(a: argparse.Namespace) -> int:
 
 def _cmd_report(a: argparse.Namespace) -> int:
     from autopar.plan import Plan
-    from autopar.report import write_report
+    from autopar.report import write_html, write_report
 
-    print(write_report(Plan.load(a.plan), a.out))
+    plan = Plan.load(a.plan)
+    if a.out.lower().endswith((".html", ".htm")):
+        print(write_html(plan, a.out))
+    else:
+        print(write_report(plan, a.out))
     return 0
 
 
@@ -209,9 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", help="model preset (default tiny)")
     s.add_argument("--batch", type=int, default=8)
     s.set_defaults(run=_cmd_explain)
-    s = sub.add_parser("report", help="write an HTML report for a saved plan")
+    s = sub.add_parser(
+        "report", help="write a self-contained HTML report for a saved plan (no network)"
+    )
     s.add_argument("plan")
-    s.add_argument("--out", default="autopar-report")
+    s.add_argument(
+        "-o",
+        "--out",
+        default="autopar-report",
+        help="a file ending in .html: the report alone; else a directory (plan.json, "
+        "summary.txt, PNG plots, index.html). Default autopar-report/",
+    )
     s.set_defaults(run=_cmd_report)
     s = sub.add_parser("diff", help="what differs between two saved plans")
     s.add_argument("a")
