@@ -53,8 +53,11 @@ class LinkLevel:
     Attributes:
         name: ``"nvlink"``, ``"infiniband"``, ``"ici"``, ``"dcn"``, ``"host"`` or ``"ethernet"``.
         bandwidth: bytes/s per device, one direction, as a ring achieves it (bus bandwidth).
-        latency: seconds per ring step (α).
+        latency: seconds per ring step (α): NCCL's Simple-protocol ring hop on GPUs (the
+            other protocols' latencies scale with it, collectives.py).
         source: where the numbers come from.
+        nvls_bandwidth: all-reduce bus bandwidth with NVLink SHARP (NVLS: the NVSwitch
+            reduces), bytes/s per device; 0 where the switch has none.
 
     Example:
         >>> LinkLevel("nvlink", 230e9, 3.4e-6).bandwidth
@@ -65,11 +68,15 @@ class LinkLevel:
     bandwidth: float
     latency: float
     source: str = ""
+    nvls_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("LinkLevel.name", self.name, LINK_NAMES)
         check_positive(f"LinkLevel {self.name!r} bandwidth", self.bandwidth)
         check_positive(f"LinkLevel {self.name!r} latency", self.latency, allow_zero=True)
+        check_positive(
+            f"LinkLevel {self.name!r} nvls_bandwidth", self.nvls_bandwidth, allow_zero=True
+        )
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -78,6 +85,7 @@ class LinkLevel:
             "bandwidth": self.bandwidth,
             "latency": self.latency,
             "source": self.source,
+            "nvls_bandwidth": self.nvls_bandwidth,
         }
 
     @classmethod
@@ -88,6 +96,7 @@ class LinkLevel:
             bandwidth=float(data["bandwidth"]),
             latency=float(data["latency"]),
             source=str(data.get("source", "")),
+            nvls_bandwidth=float(data.get("nvls_bandwidth", 0.0)),
         )
 
 
@@ -129,6 +138,13 @@ class Cluster:
         torus_shape: chips per torus dimension, product = num_devices (torus only).
         overlap_efficiency: communication seconds one compute second can hide (overlap.py).
         source: where the link numbers come from.
+        owner_collectives: a software generation's way of sharding parameters: ``True``
+            prices all-gathers and reduce-scatters that cross nodes as the ZeRO paper's
+            per-owner broadcasts / reduces (Rajbhandari et al. SC'20 §7.2.2: the rank
+            owning a partition broadcasts it), whose bandwidth is one GPU's own link
+            (ZeRO-Infinity, SC'21 §6.1, replaced them by all-gathers for that reason): a
+            ring at ``inter.bandwidth`` over the whole buffer. ``False`` (default): NCCL
+            all-gather / reduce-scatter rings over all of the group's NICs.
 
     Example:
         >>> Cluster.preset("dgx-h100", nodes=2).num_devices
@@ -145,6 +161,7 @@ class Cluster:
     torus_shape: tuple[int, ...] | None = None
     overlap_efficiency: float = DEFAULT_OVERLAP_EFFICIENCY
     source: str = ""
+    owner_collectives: bool = False
 
     def __post_init__(self) -> None:
         check_int("Cluster.num_nodes", self.num_nodes)
@@ -364,6 +381,7 @@ class Cluster:
             "torus_shape": None if self.torus_shape is None else list(self.torus_shape),
             "overlap_efficiency": self.overlap_efficiency,
             "source": self.source,
+            "owner_collectives": self.owner_collectives,
         }
 
     @classmethod
@@ -384,6 +402,7 @@ class Cluster:
                     data.get("overlap_efficiency", DEFAULT_OVERLAP_EFFICIENCY)
                 ),
                 source=str(data.get("source", "")),
+                owner_collectives=bool(data.get("owner_collectives", False)),
             )
         except KeyError as e:
             raise CostModelError(f"Cluster JSON lacks the field {e.args[0]!r}") from None
@@ -435,13 +454,16 @@ _IB_HDR = LinkLevel(
     "8 x 200 Gb/s HDR per DGX A100 node = 25 GB/s per GPU, line rate (reference README); "
     + _NCCL_SRC,
 )
-# DGX H100: NVLink4; measured NCCL all-reduce busbw ~370 GB/s (reference README; ~480 with
-# NVLink SHARP, which we do not assume). Network: 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s per GPU.
+# DGX H100: NVLink4; measured NCCL all-reduce busbw ~370 GB/s, ~480 GB/s with NVLink SHARP
+# (NVLS, NCCL >= 2.17 on the third-generation NVSwitch; reference README). Network:
+# 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s per GPU.
 _NVLINK_H100 = LinkLevel(
     "nvlink",
     370e9,
     _NCCL_NVLINK_STEP_S,
-    "NCCL all-reduce busbw inside a DGX H100 ~370 GB/s (reference README); " + _NCCL_SRC,
+    "NCCL all-reduce busbw inside a DGX H100 ~370 GB/s, ~480 GB/s with NVLS (reference "
+    "README); " + _NCCL_SRC,
+    nvls_bandwidth=480e9,
 )
 _IB_NDR = LinkLevel(
     "infiniband",

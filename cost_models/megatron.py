@@ -207,7 +207,7 @@ def selene(gpus: int, efficiency: Efficiency = MEGATRON_2021_EFFICIENCY) -> Clus
         raise CostModelError(f"Selene nodes hold 8 GPUs; {gpus} GPUs do not fill nodes")
     base = Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
     device = replace(base.device, efficiency=efficiency)
-    return replace(base, name="selene", device=device)
+    return replace(base, name="selene", device=device, owner_collectives=True)
 
 
 @dataclass(frozen=True)
