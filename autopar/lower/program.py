@@ -72,7 +72,8 @@ class PipelineProgram:
             while the ticks run (per device: ``v`` chunks of every stacked input).
         recomputed_bytes: with stages rematerialised (``plan.pipeline.stage_remat``), the
             most any of them re-creates in one backward tick: what its stash held
-            without remat (per device).
+            without remat (per device), a layer scan's residuals one layer's worth (the
+            stage recomputes them layer by layer: ``StageCut.layer_recomputed``).
         relayout_kind: the collective that moves it (``"collective-permute"`` over
             ``pipe``; priced as point-to-point sends).
     """
@@ -164,6 +165,7 @@ def pipeline_program(
         for name, (_, layout) in slots.items()
     }
     relayout = _relayout_sends(cut, plan, schedule, pipe_axis)
+    per_layer = dict(cut.layer_recomputed or {})
     return PipelineProgram(
         ticks=len(schedule.ticks),
         sends=sized["forward"] + sized["backward"],
@@ -178,7 +180,8 @@ def pipeline_program(
         relayout_copy_bytes=_relayout_copy(cut, plan, schedule, pipe_axis) if relayout else 0.0,
         recomputed_bytes=max(
             (
-                sum(value_bytes(v) for v in full.forward(s).stash)
+                # a layer scan's residuals are re-created one layer at a time
+                sum(value_bytes(v) / per_layer.get(v, 1) for v in full.forward(s).stash)
                 for s, r in enumerate(pp.stage_remat)
                 if r == "full"
             ),

@@ -117,6 +117,9 @@ class StageCut:
         stacked_outputs: indices of ``G``'s flat outputs that are stacked per stage.
         local_avals: per-device shape of each stacked value (layer axis ``L/p``).
         in_tree / out_tree: pytree structures of ``G``'s ``(args, kwargs)`` and outputs.
+        layer_recomputed: after :func:`autopar.lower.stage_remat.remat_stages`, the
+            stacked residuals of a layer scan that its stage's backward re-creates one
+            layer at a time (value -> the stage's layers in it); ``None`` otherwise.
     """
 
     num_stages: int
@@ -129,6 +132,7 @@ class StageCut:
     local_avals: Mapping[Var, jax.core.ShapedArray]
     in_tree: Any = None
     out_tree: Any = None
+    layer_recomputed: Mapping[Var, int] | None = None
 
     def forward(self, stage: int) -> Piece:
         """Stage ``stage``'s forward piece."""

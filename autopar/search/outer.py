@@ -162,6 +162,10 @@ class Profile:
         grad_bytes: the gradients a data-parallel replica all-reduces.
         activation_bytes: what one microbatch keeps for its backward.
         boundary_bytes: one layer's input (what a stage sends its neighbour).
+        layers: the graph's layers (a scanned stack counts each iteration).
+        scanned: whether the layers run as a scan over a stacked stack: a
+            rematerialised stage then recomputes them one layer at a time
+            (:func:`autopar.lower.stage_remat.remat_stages`).
     """
 
     model: Mapping[str, int]
@@ -173,6 +177,8 @@ class Profile:
     grad_bytes: float
     activation_bytes: float
     boundary_bytes: float
+    layers: int = 0
+    scanned: bool = False
 
 
 @dataclass(frozen=True)
@@ -320,7 +326,15 @@ def screen(config: PipelineConfig, prof: Profile, cluster: Any) -> Screened:
         inflight = min(m * v, 2 * (p - 1) + (v - 1) * p + 1) / v
     else:
         inflight = float(min(p, m))
-    held = boundary * inflight * v + act if c.remat == "full" else act * inflight
+    if c.remat != "full":
+        held = act * inflight
+    elif prof.scanned and prof.layers >= p:
+        # Recomputed layer by layer (Megatron-LM): each microbatch in flight keeps its
+        # stage's layer inputs; one layer's activations live during the recomputation.
+        per_stage = prof.layers / p
+        held = boundary * inflight * per_stage + act / per_stage
+    else:  # the whole stage recomputed at once from its input
+        held = boundary * inflight * v + act
     return Screened(config, step, prof.state_bytes / p + held, held)
 
 
@@ -358,6 +372,8 @@ def profile(
         grad_bytes=float(bd.get("grads", 0.0)),
         activation_bytes=float(bd.get("activations", 0.0)),
         boundary_bytes=float(ev.extra.get("boundary_bytes", 0.0)),
+        layers=len(graph.layers),
+        scanned=any(layer.kind == "scan" for layer in graph.layers),
     )
 
 

@@ -116,9 +116,12 @@ def test_remat_stages_cost_a_forward_and_keep_one_activation():
         extra = full.extra["stage_backward_s"][s] - none.extra["stage_backward_s"][s]
         assert 0 < extra <= f * (1 + 1e-9)
     assert full.step_time_s > none.step_time_s
-    # GPipe holds all 4 microbatches' stashes; with remat a stash is the stage's input:
-    # one [1, 32, 64] float32 residual stream per device (16 rows / 4 microbatches / 4).
-    assert full.memory_breakdown["activations"] == 4 * 1 * 32 * 64 * 4
+    # GPipe holds all 4 microbatches' stashes; with remat (per layer, as Megatron-LM) a
+    # stash is its layers' inputs: one [1, 32, 64] float32 residual stream per device
+    # (16 rows / 4 microbatches / 4) per layer of the stage (2), and on the last stage
+    # also the stack's output, which the head's recomputation starts from. The padded
+    # stash slot holds the larger: 3 streams.
+    assert full.memory_breakdown["activations"] == 4 * 3 * (1 * 32 * 64 * 4)
     assert full.memory_bytes_per_device < none.memory_bytes_per_device
 
 
@@ -162,3 +165,36 @@ def test_the_pipeline_search_rematerialises_when_nothing_else_fits():
     too_small = dataclasses.replace(opts, memory_limit_bytes=full.memory_bytes_per_device / 2)
     with pytest.raises(autopar.InfeasiblePlanError, match="smallest footprint"):
         autopar.plan(step, *args, cluster=CLUSTER, options=too_small)
+
+
+def test_a_scanned_stage_is_recomputed_layer_by_layer():
+    """Megatron-LM's full recomputation: a stage keeps each of its layers' inputs per
+    microbatch and its backward scan re-runs one layer's forward per iteration."""
+    from autopar.lower.split import gradient_graph, plan_accumulation
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+
+    cfg = GPTConfig.preset("tiny", precision="fp32", scan_layers=True, layers=4)
+    step, args = make_train_step(cfg, 16, abstract=True)
+    acc = plan_accumulation(step, args, M)
+    cut = cut_stages(gradient_graph(acc, args), [(0, 2), (2, 4)], batch_inputs=acc.batch_inputs)
+    lean = remat_stages(cut, ("full", "full"))
+    # A microbatch is 16 / 4 = 4 sequences of 32 tokens, hidden 64: stage 0 keeps its two
+    # layers' inputs (the first is the embedding's output), nothing else.
+    assert [tuple(lean.aval(v).shape) for v in lean.forward(0).stash] == [(2, 4, 32, 64)]
+    # The last stage also keeps the stack's output (the final LayerNorm and head
+    # recompute from it).
+    assert sorted(tuple(lean.aval(v).shape) for v in lean.forward(1).stash) == [
+        (2, 4, 32, 64),
+        (4, 32, 64),
+    ]
+    for s in range(2):
+        scans = [e for e in lean.backward(s).eqns if e.primitive.name == "scan"]
+        # no forward scan over the stage's layers is re-run whole in the backward piece
+        assert [e.params["reverse"] for e in scans] == [True]
+        (old,) = [e for e in cut.backward(s).eqns if e.primitive.name == "scan"]
+        (fwd,) = [e for e in cut.forward(s).eqns if e.primitive.name == "scan"]
+        dots = lambda e: sum(q.primitive.name == "dot_general" for q in e.params["jaxpr"].eqns)  # noqa: E731
+        assert dots(scans[0]) == dots(old) + dots(fwd)  # one layer's forward, then backward
+    # every residual stack of the forward scans is re-created one layer (of 2) at a time
+    stacks = {v for s in range(2) for v in cut.forward(s).stash if lean.layer_recomputed.get(v)}
+    assert stacks and set(lean.layer_recomputed.values()) == {2}
