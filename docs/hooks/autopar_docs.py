@@ -315,6 +315,19 @@ def _price(row: dict[str, str]) -> tuple[Any, Any, Any]:
     return model, par, megatron.estimate_iteration(model, par, megatron.selene(par.gpus))
 
 
+PUBLISHED_HEADER = (
+    "run",
+    "GPUs",
+    "t / p / d",
+    "B / b",
+    "v / m",
+    "published TFLOP/s",
+    "predicted",
+    "error",
+    "l / h / a",
+)
+
+
 def published_tables() -> str:
     """One table per CSV of ``benchmarks/reference/``, one row per CSV row."""
     out = []
@@ -330,49 +343,24 @@ def published_tables() -> str:
             try:
                 model, par, est = _price(r)
             except Exception as e:  # shown in the row: the table keeps one row per CSV row
-                rows.append(
-                    [
-                        label,
-                        "",
-                        "",
-                        "",
-                        r["gpus"],
-                        "",
-                        "",
-                        f"{published:g}",
-                        "—",
-                        f"not priced: {type(e).__name__}: {e}",
-                    ]
-                )
+                why = f"not priced: {type(e).__name__}: {e}"
+                rows.append([label, r["gpus"], "", "", "", f"{published:g}", "—", why, ""])
                 continue
             err = est.tflops_per_gpu / published - 1.0
             errors.append(abs(err))
             rows.append(
                 [
                     label,
-                    f"{model.l} / {model.h} / {model.a}",
-                    f"{par.t} / {par.p} / {par.d}",
-                    par.scheme,
                     par.gpus,
+                    f"{par.t} / {par.p} / {par.d}",
                     f"{par.B} / {par.b}",
                     f"{est.chunks} / {est.microbatches}",
                     f"{published:g}",
                     f"{est.tflops_per_gpu:.1f}",
                     f"{err:+.1%}",
+                    f"{model.l} / {model.h} / {model.a}",
                 ]
             )
-        header = [
-            "run",
-            "l / h / a",
-            "t / p / d",
-            "scheme",
-            "GPUs",
-            "B / b",
-            "v / m",
-            "published TFLOP/s",
-            "predicted",
-            "error",
-        ]
         summary = (
             f"{len(errors)} of {len(records)} rows priced; |error| mean "
             f"{statistics.fmean(errors):.1%}, max {max(errors):.1%}."
@@ -384,7 +372,7 @@ def published_tables() -> str:
             "",
             f'<div class="autopar-published" data-csv="{path.name}" markdown>',
             "",
-            markdown_table(header, rows, align="----r-rrrr"),
+            markdown_table(PUBLISHED_HEADER, rows, align="-rrrrrrr-"),
             "",
             "</div>",
             "",

@@ -34,6 +34,7 @@ class _Page(HTMLParser):
         self.ids: set[str] = set()
         self.text: list[str] = []
         self.tables: dict[str, list[list[str]]] = {}
+        self.headers: dict[str, list[str]] = {}
         self._csv: str | None = None
         self._div_depth = 0
         self._in_tbody = False
@@ -49,12 +50,12 @@ class _Page(HTMLParser):
                 self._div_depth += 1
             elif "autopar-published" in (a.get("class") or "").split():
                 self._csv, self._div_depth = a["data-csv"], 1
-                self.tables[self._csv] = []
+                self.tables[self._csv], self.headers[self._csv] = [], []
         elif self._csv is not None and tag == "tbody":
             self._in_tbody = True
         elif self._csv is not None and self._in_tbody and tag == "tr":
             self.tables[self._csv].append([])
-        elif self._csv is not None and self._in_tbody and tag == "td":
+        elif self._csv is not None and (tag == "th" or (self._in_tbody and tag == "td")):
             self._cell = []
 
     def handle_endtag(self, tag: str) -> None:
@@ -64,8 +65,9 @@ class _Page(HTMLParser):
                 self._csv = None
         elif tag == "tbody":
             self._in_tbody = False
-        elif tag == "td" and self._cell is not None:
-            self.tables[self._csv][-1].append("".join(self._cell).strip())
+        elif tag in ("td", "th") and self._cell is not None:
+            text = "".join(self._cell).strip()
+            (self.tables[self._csv][-1] if tag == "td" else self.headers[self._csv]).append(text)
             self._cell = None
 
     def handle_data(self, data: str) -> None:
@@ -154,19 +156,20 @@ def test_published_table_has_one_row_per_reference_row(site: Path) -> None:
             records = list(csv.DictReader(f))
         rows = page.tables[path.name]
         assert len(rows) == len(records), path.name
+        col = {name: i for i, name in enumerate(page.headers[path.name])}
         for record, cells in zip(records, rows, strict=True):
-            # columns: run, l/h/a, t/p/d, scheme, GPUs, B/b, v/m, published, predicted, error
-            assert cells[4] == record["gpus"]
-            assert float(cells[7]) == float(record["tflops_per_gpu"])
-            if cells[8] == "—":
-                assert cells[9].startswith("not priced: ")
+            cell = {name: cells[i] for name, i in col.items()}
+            assert cell["GPUs"] == record["gpus"]
+            published = float(record["tflops_per_gpu"])
+            assert float(cell["published TFLOP/s"]) == published
+            if cell["predicted"] == "—":
+                assert cell["error"].startswith("not priced: ")
                 continue
             priced += 1
-            predicted, error = float(cells[8]), float(cells[9].rstrip("%")) / 100
-            published = float(record["tflops_per_gpu"])
+            predicted, error = float(cell["predicted"]), float(cell["error"].rstrip("%")) / 100
             # predicted is printed to 0.1 TFLOP/s, the error to 0.1%
             assert error == pytest.approx(predicted / published - 1, abs=0.05 / published + 5e-4)
-            t, p, d = (int(x) for x in cells[2].split(" / "))
+            t, p, d = (int(x) for x in cell["t / p / d"].split(" / "))
             assert (t, p, t * p * d) == (
                 int(record["tensor"]),
                 int(record["pipeline"]),
