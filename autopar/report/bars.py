@@ -6,7 +6,7 @@ and the bubble (``Predicted.step_time_s = compute_s + exposed_communication_s +
 bubble_s``). The exposed seconds are shared among the collectives in proportion to their
 predicted seconds: the cost model prices hiding per class, not per collective, so the
 split is an attribution (each collective's own seconds, hidden or not, are in the table
-beside it).
+beside it). Collectives of one kind (all-reduce, all-gather, ...) make one segment.
 
 Example:
     >>> from autopar.plan import Predicted, PredictedCollective
@@ -14,7 +14,7 @@ Example:
     ...               bubble_s=0.1, collectives=(PredictedCollective("all-reduce", ("data",),
     ...               8.0, 1, 0.5, "dp_grad"),))
     >>> [(s.key, round(s.seconds, 3)) for s in time_segments(p)]
-    [('compute', 0.6), ('all-reduce/dp_grad/data', 0.3), ('bubble', 0.1)]
+    [('compute', 0.6), ('all-reduce', 0.3), ('bubble', 0.1)]
 """
 
 from __future__ import annotations
