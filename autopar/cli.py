@@ -1,4 +1,4 @@
-"""``autopar demo | trace | plan | show | explain | report | diff | calibrate``.
+"""``autopar demo | trace | plan | show | explain | report | diff | calibrate | sweep``.
 
 Verbs that run JAX programs on simulated devices set ``XLA_FLAGS`` before JAX starts its
 backend (``--devices N``, default 8), so they work on a machine without accelerators.
@@ -163,6 +163,26 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
     return calibrate.main(argv) or 0
 
 
+def _cmd_sweep(a: argparse.Namespace) -> int:
+    """Run a sweep suite; print each point's plans (issue 15 item 2)."""
+    from autopar.sweep import load_suite, run_sweep
+    from autopar.sweep.results import rows
+
+    suite = load_suite(a.suite)
+    out = a.out or f"sweep-{suite.name}"
+    store = run_sweep(suite, out, only=a.points or None, compile=not a.no_compile)
+    print(f"{'point':<12} {'plan':<14} {'status':<13} {'mesh':<30} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'GiB':>7} {'search s':>9}")  # fmt: skip
+    for r in rows(store):
+        tf = f"{r['tflops_per_device']:.1f}" if r["tflops_per_device"] else "-"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        gib = f"{r['memory_gib']:.1f}" if r["memory_gib"] is not None else "-"
+        print(f"{r['point']:<12} {r['plan']:<14} {r['status']:<13} {r['mesh'][:30]:<30} "
+              f"{tf:>8} {mfu:>6} {gib:>7} {r['search_s'] or 0:>9.1f}")  # fmt: skip
+    print(f"wrote {out}/results.json, {out}/results.csv, {out}/throughput.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar", description=__doc__.split("\n")[0])
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
@@ -233,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true")
     s.add_argument("--out")
     s.set_defaults(run=_cmd_calibrate)
+    s = sub.add_parser("sweep", help="autopar's plans against baselines over a suite (TOML)")
+    s.add_argument("suite", help="a suite file, e.g. benchmarks/suites/alpa_gpt.toml")
+    s.add_argument("-o", "--out", help="output folder (default sweep-<suite name>)")
+    s.add_argument("--points", nargs="*", help="run only these points (by name)")
+    s.add_argument("--no-compile", action="store_true", help="skip the compiled checks")
+    s.set_defaults(run=_cmd_sweep)
     return p
 
 
