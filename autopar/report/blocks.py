@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.plan import Plan, TensorSharding
-from autopar.report.svg import TABLEAU10, clip_label, esc, ink_on, rect, svg, text, tint
+from autopar.report.svg import TABLEAU10, esc, fit_label, ink_on, rect, svg, text, tint
 from autopar.report.topology import mesh_coords
 from autopar.report.words import device_ranges, entry_axes, layout_words, param_bytes, spec_text
 
@@ -86,13 +86,22 @@ def block_grid(record: TensorSharding, mesh: Mapping[str, int]) -> BlockGrid:
 
 
 def pick_leaves(plan: Plan, limit: int = 4) -> list[TensorSharding]:
-    """The ``limit`` largest parameters, those the plan splits first (``role == "param"``;
-    every input when there is no parameter)."""
+    """Up to ``limit`` parameters to draw (``role == "param"``; every input when there is
+    none): split ones before replicated ones, the largest of each distinct layout first."""
     leaves = [r for r in plan.inputs if r.role == "param" and r.shape]
     if not leaves:
         leaves = [r for r in plan.inputs if r.shape]
     leaves.sort(key=lambda r: (not any(entry_axes(e) for e in r.spec), -param_bytes(r), r.path))
-    return leaves[:limit]
+    # One leaf per distinct layout first (the largest of each), then the next largest.
+    picked: list[TensorSharding] = []
+    layouts: set[tuple] = set()
+    for r in leaves:
+        key = (len(r.shape), r.spec)
+        if key not in layouts and len(picked) < limit:
+            layouts.add(key)
+            picked.append(r)
+    rest = [r for r in leaves if r not in picked]
+    return (picked + rest)[:limit]
 
 
 def sharding_figure(record: TensorSharding, mesh: Mapping[str, int], width: float = 500) -> str:
@@ -122,7 +131,11 @@ def sharding_figure(record: TensorSharding, mesh: Mapping[str, int], width: floa
             rect(k * bw + 1, r * bh + 1, bw - 2, bh - 2, color, rx=2, cls="block", title=title,
                  row=r, col=k, devices=" ".join(map(str, devs)))
         )  # fmt: skip
-        label = clip_label(device_ranges(devs), bw - 6, 11)
+        label = (
+            fit_label(device_ranges(devs), bw - 6, 11)
+            or fit_label(f"{len(devs)} devices", bw - 6, 11)
+            or fit_label(f"{len(devs)}", bw - 4, 11)
+        )
         if label and bh >= 16:
             body.append(text(k * bw + bw / 2, r * bh + bh / 2, label, size=11, anchor="middle",
                              fill=ink_on(color)))  # fmt: skip

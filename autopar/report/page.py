@@ -17,10 +17,11 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from autopar.plan import Plan
+from autopar.plan import LayerStrategy, Plan, idle_axes
 from autopar.report.bars import (
     candidate_segments,
     memory_figure,
@@ -32,7 +33,7 @@ from autopar.report.blocks import sharding_section_body
 from autopar.report.schedule import bubble_fraction, gantt_figure, stages_table
 from autopar.report.svg import axis_color, esc
 from autopar.report.text import format_bytes, format_seconds, format_spec, summary
-from autopar.report.topology import axis_maps, mesh_figure, topology_summary
+from autopar.report.topology import MAX_NODES_DRAWN, axis_maps, mesh_figure, topology_summary
 from autopar.report.words import (
     class_words,
     headline,
@@ -166,12 +167,30 @@ def _header(plan: Plan, title: str) -> str:
     )
 
 
+def _nodes(plan: Plan) -> int:
+    per = int(plan.cluster.get("devices_per_node") or plan.num_devices)
+    return max(int(plan.cluster.get("num_nodes") or 1), math.ceil(plan.num_devices / per))
+
+
 def _mesh_body(plan: Plan) -> str:
+    idle = idle_axes(plan)
+    note = ""
+    if idle:
+        n = math.prod(plan.mesh[a] for a in idle)
+        note = (
+            f'<p class="idle-note"><span class="badge warn">idle axis</span> '
+            f"{esc(', '.join(idle))} splits nothing: its devices repeat the same work (the plan "
+            f"on {plan.num_devices // n} devices, {n} times over); the cost model found that "
+            "faster than splitting over them.</p>"
+        )
     return (
         f"<p>{esc(topology_summary(plan.mesh, plan.cluster))}</p>"
+        + note
         + mesh_figure(plan.mesh, plan.cluster)
-        + '<h3 class="small muted">Where each axis runs (devices shaded by their coordinate on it)</h3>'
-        + axis_maps(plan.mesh, plan.cluster)
+        + '<h3 class="small muted">Where each axis runs (devices shaded by their coordinate on it'
+        + (f"; the first {MAX_NODES_DRAWN} nodes" if _nodes(plan) > MAX_NODES_DRAWN else "")
+        + ")</h3>"
+        + axis_maps(plan.mesh, plan.cluster, idle)
     )
 
 
@@ -220,10 +239,10 @@ def _strategies_body(plan: Plan) -> str:
     ]
     if plan.layers:
         rows = []
-        for ls in plan.layers:
+        for name, ls in _layer_runs(plan):
             for i, (op, tags) in enumerate(ls.ops):
                 rows.append(
-                    f'<tr class="op-row"><td>{esc(ls.layer) if i == 0 else ""}</td><td><code>{esc(op)}</code></td>'
+                    f'<tr class="op-row"><td>{esc(name) if i == 0 else ""}</td><td><code>{esc(op)}</code></td>'
                     f'<td>{esc(strategy_words(tags))}</td><td class="muted small">{esc(tags)}</td></tr>'
                 )
         parts.append(
@@ -253,6 +272,24 @@ def _strategies_body(plan: Plan) -> str:
             f"<tbody>{''.join(rows)}</tbody></table>"
         )
     return "".join(parts)
+
+
+def _layer_runs(plan: Plan) -> list[tuple[str, LayerStrategy]]:
+    """Consecutive layers with the same strategies, once each: ``("h_0 ... h_95 (96
+    layers)", first layer)``."""
+    runs: list[list[LayerStrategy]] = []
+    for ls in plan.layers:
+        if runs and runs[-1][0].ops == ls.ops:
+            runs[-1].append(ls)
+        else:
+            runs.append([ls])
+    out = []
+    for run in runs:
+        name = run[0].layer
+        if len(run) > 1:
+            name += f" ... {run[-1].layer} ({len(run)} layers alike)"
+        out.append((name, run[0]))
+    return out
 
 
 def _axis_rows(plan: Plan) -> list[tuple[str, int, str]]:

@@ -5,7 +5,7 @@ HTML report.
 
 Example:
     >>> print(summary(plan))
-    Plan 'autopar': mesh data=4 x tensor=2 (8 devices), ZeRO stage 0, remat none
+    Plan 'autopar': mesh ... (8 devices), ZeRO stage 0, remat none
     ...
 """
 
@@ -143,7 +143,7 @@ def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
 
     Example:
         >>> print(autopar.report.summary(plan))
-        Plan 'autopar': mesh data=4 x tensor=2 (8 devices), ZeRO stage 0, remat none
+        Plan 'autopar': mesh ... (8 devices), ZeRO stage 0, remat none
         ...
         Predicted cost per step (dgx-a100-80gb)
         ...

@@ -126,100 +126,70 @@ def link_text(links: Sequence[str]) -> str:
 def mesh_figure(mesh: Mapping[str, int], cluster: Mapping[str, Any]) -> str:
     """The cluster's nodes with their devices; each device of the mesh shows its
     coordinate on every axis in the axis's colour (class ``device``; devices of the
-    cluster outside the mesh: class ``spare``)."""
+    cluster outside the mesh: class ``spare``). Past 4 nodes the cells shrink to coloured
+    stripes (hover for the coordinates); past :data:`MAX_NODES_DRAWN` nodes the first
+    ones are drawn."""
     axes = list(mesh)
     topo = _topology(mesh, cluster)
     n = math.prod(mesh.values()) if mesh else 1
     coords = mesh_coords(mesh)
-    cell_w = 84
-    band_h = 17
-    cell_h = 26 + band_h * max(len(axes), 1)
-    gap, pad = 8, 12
+    compact = topo.nodes > 4 or topo.per_node > 12
+    if compact:
+        cell_w, band_h, head, gap, pad = 26.0, 6.0, 15.0, 3.0, 8.0
+    else:
+        cell_w, band_h, head, gap, pad = 84.0, 17.0, 24.0, 8.0, 12.0
+    cell_h = head + 2 + band_h * max(len(axes), 1)
     node_w = pad * 2 + topo.per_node * cell_w + (topo.per_node - 1) * gap
-    node_h = 30 + cell_h + pad
+    node_h = 28 + cell_h + pad
     width_budget = 1080
     per_row = max(1, min(topo.nodes, int((width_budget + 16) // (node_w + 16))))
     drawn = min(topo.nodes, MAX_NODES_DRAWN)
     rows = math.ceil(drawn / per_row)
-    width = per_row * node_w + (per_row - 1) * 16
+    width = max(per_row * node_w + (per_row - 1) * 16, 360)
     height = rows * (node_h + 16) + (22 if drawn < topo.nodes else 0)
+    intra = LINK_WORDS.get(topo.intra, topo.intra)
     body: list[str] = []
     for k in range(drawn):
         nx = (k % per_row) * (node_w + 16)
         ny = (k // per_row) * (node_h + 16)
         body.append(rect(nx, ny, node_w, node_h, "#f4f6f8", rx=10, stroke=GRID, cls="node", node=k))
-        body.append(
-            text(
-                nx + pad,
-                ny + 15,
-                f"node {k}  ·  {topo.per_node} x {topo.device}  ·  {LINK_WORDS.get(topo.intra, topo.intra)} inside",
-                size=11.5,
-                weight="600",
-                fill=INK,
-            )
+        label = (
+            f"node {k}"
+            if compact
+            else f"node {k}  ·  {topo.per_node} x {topo.device}  ·  {intra} inside"
         )
+        body.append(text(nx + pad, ny + 14, label, size=11.5, weight="600", fill=INK))
         for j in range(topo.per_node):
             dev = k * topo.per_node + j
             x = nx + pad + j * (cell_w + gap)
-            y = ny + 28
+            y = ny + 26
             if dev >= n:
                 body.append(
-                    rect(
-                        x,
-                        y,
-                        cell_w,
-                        cell_h,
-                        "#eceff2",
-                        rx=6,
-                        stroke=GRID,
-                        cls="spare",
-                        title=f"device {dev}: in the cluster, not in the mesh (idle)",
-                        device=dev,
-                    )
-                )
-                body.append(
-                    text(x + cell_w / 2, y + 13, f"#{dev}", size=11, anchor="middle", fill=MUTED)
-                )
-                body.append(
-                    text(
-                        x + cell_w / 2,
-                        y + cell_h / 2 + 6,
-                        "idle",
-                        size=10,
-                        anchor="middle",
-                        fill=MUTED,
-                    )
-                )
+                    rect(x, y, cell_w, cell_h, "#eceff2", rx=4, stroke=GRID, cls="spare",
+                         title=f"device {dev}: in the cluster, not in the mesh (idle)", device=dev)
+                )  # fmt: skip
+                body.append(text(x + cell_w / 2, y + head / 2 + 1, f"#{dev}", size=9 if compact else 11,
+                                 anchor="middle", fill=MUTED))  # fmt: skip
                 continue
             c = coords[dev]
             where = ", ".join(f"{a}={v}" for a, v in zip(axes, c, strict=True))
             body.append(
-                rect(
-                    x,
-                    y,
-                    cell_w,
-                    cell_h,
-                    "#ffffff",
-                    rx=6,
-                    stroke="#9aa5b1",
-                    cls="device",
-                    title=f"device {dev} (node {k}): {where}",
-                    device=dev,
-                    coords=where,
-                )
-            )
-            body.append(
-                text(x + cell_w / 2, y + 13, f"#{dev}", size=11.5, anchor="middle", weight="600")
-            )
+                rect(x, y, cell_w, cell_h, "#ffffff", rx=4 if compact else 6, stroke="#9aa5b1",
+                     cls="device", title=f"device {dev} (node {k}): {where}", device=dev,
+                     coords=where)
+            )  # fmt: skip
+            body.append(text(x + cell_w / 2, y + head / 2 + 1, f"#{dev}" if not compact else dev,
+                             size=9 if compact else 11.5, anchor="middle", weight="600"))  # fmt: skip
             for b, (a, v) in enumerate(zip(axes, c, strict=True)):
                 col = axis_color(a, axes)
                 shade = tint(col, 0.72 - 0.72 * (v / max(mesh[a] - 1, 1)))
-                by = y + 24 + b * band_h
-                body.append(rect(x + 5, by, cell_w - 10, band_h - 3, shade, rx=3))
-                body.append(
-                    text(x + cell_w / 2, by + (band_h - 3) / 2 + 0.5, f"{a} {v}", size=10,
-                         anchor="middle", fill=ink_on(shade))
-                )  # fmt: skip
+                by = y + head + b * band_h
+                inset = 3 if compact else 5
+                body.append(rect(x + inset, by, cell_w - 2 * inset, band_h - (1 if compact else 3),
+                                 shade, rx=1 if compact else 3))  # fmt: skip
+                if not compact:
+                    body.append(text(x + cell_w / 2, by + (band_h - 3) / 2 + 0.5, f"{a} {v}", size=10,
+                                     anchor="middle", fill=ink_on(shade)))  # fmt: skip
     if drawn < topo.nodes:
         body.append(
             text(0, height - 8, f"... and {topo.nodes - drawn} more nodes like these", size=12,
@@ -229,10 +199,10 @@ def mesh_figure(mesh: Mapping[str, int], cluster: Mapping[str, Any]) -> str:
                cls="fig mesh-fig")  # fmt: skip
 
 
-def axis_maps(mesh: Mapping[str, int], cluster: Mapping[str, Any]) -> str:
+def axis_maps(mesh: Mapping[str, int], cluster: Mapping[str, Any], idle: Sequence[str] = ()) -> str:
     """One small map per axis: every device shaded by its coordinate on that axis (the
     devices of one shade row make a collective group together), with the links its
-    collectives cross."""
+    collectives cross. Axes in ``idle`` split nothing (:func:`autopar.plan.idle_axes`)."""
     axes = list(mesh)
     topo = _topology(mesh, cluster)
     coords = mesh_coords(mesh)
@@ -270,6 +240,8 @@ def axis_maps(mesh: Mapping[str, int], cluster: Mapping[str, Any]) -> str:
                 f"groups of {pl.size}: {pl.per_node} per node over {pl.nodes} nodes "
                 f"({link_text(pl.links)})"
             )
+        if a in idle:
+            where += "; splits nothing: its devices repeat the same work"
         out.append(
             f'<div class="axis-row" data-axis="{esc(a)}" data-links="{esc(" ".join(pl.links))}">'
             f'<span class="swatch" style="background:{col}"></span>'

@@ -51,7 +51,7 @@ CLASS_WORDS: Mapping[str, str] = {
     "fsdp_gather": "parameter gather (FSDP / ZeRO-3)",
     "pipeline_p2p": "stage-to-stage sends (pipeline)",
     "pipeline_relayout": "relayout between stages (pipeline)",
-    "tensor": "activation collectives (tensor parallel)",
+    "tensor": "activation collectives inside ops",
     "seq": "sequence / context parallel exchange",
     "expert": "token dispatch (expert parallel)",
     "reshard": "relayout between ops",
@@ -137,6 +137,8 @@ def dim_words(record: TensorSharding, dim: int, stacked: bool = False) -> str:
             words.append(f"layers by pipeline stage ({a})")
         elif splits in ("batch", "batch+state"):
             words.append(f"ZeRO / FSDP shard ({a})")
+        elif splits == "model" and "embed" in record.path.lower() and dim == 0:
+            words.append(f"vocabulary-parallel ({a})")
         elif splits == "model":
             inner = dim - (1 if stacked else 0)
             width = ndim - (1 if stacked else 0)
