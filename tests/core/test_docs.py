@@ -219,3 +219,26 @@ def test_quickstart_first_step_runs_as_written(
         state, loss = single(state, ns["batch"])
         expected.append(float(loss))
     assert [float(x) for x in lines[:3]] == pytest.approx(expected, rel=1e-5)
+
+
+def test_unknown_generated_block_fails_the_build() -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    from mkdocs.exceptions import PluginError
+
+    spec = importlib.util.spec_from_file_location(
+        "autopar_docs", ROOT / "docs/hooks/autopar_docs.py"
+    )
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = SimpleNamespace(file=SimpleNamespace(src_path="x.md"))
+    # A known inline block is replaced by the code's own names; an unknown one is an error.
+    from autopar.options import REMATS
+
+    assert REMATS[:2] == ("none", "selective")
+    assert hook.on_page_markdown("Use <!-- autopar:remats -->.", page=page) == (
+        "Use " + ", ".join(f"`{r}`" for r in REMATS) + "."
+    )
+    with pytest.raises(PluginError, match=r"x\.md: unknown block <!-- autopar:nope -->"):
+        hook.on_page_markdown("<!-- autopar:nope -->", page=page)
