@@ -59,7 +59,12 @@ def stages_table(plan: Plan) -> str:
     rows = []
     for s in range(p):
         chunks = [pp.stages[c * p + s] for c in range(pp.chunks)]
-        layer_text = "; ".join(_layers_text(plan, r) for r in chunks)
+        if len(chunks) == 1:
+            layer_text = _layers_text(plan, chunks[0])
+        else:
+            layer_text = "; ".join(
+                f"chunk {c}: {_layers_text(plan, r)}" for c, r in enumerate(chunks)
+            )
         remat = (
             sorted({pp.stage_remat[c * p + s] for c in range(pp.chunks)})
             if pp.stage_remat
@@ -136,6 +141,12 @@ def gantt_figure(plan: Plan) -> str:
     if any(op.op == "W" for op in ops):
         items = [("forward (F)", OP_COLORS["F"]), ("input grad (B)", OP_COLORS["B"]),
                  ("weight grad (W)", OP_COLORS["W"])]  # fmt: skip
+    if pp.chunks > 1:  # later chunks lighter
+        items = [
+            (f"{name}, chunk {c}", tint(color, 0.45 * c / (pp.chunks - 1)))
+            for name, color in items
+            for c in range(pp.chunks)
+        ]
     items.append(("idle (bubble)", "#f1f3f5"))
     title = f"{schedule_words(pp.schedule)} schedule, {p} stages x {pp.microbatches} microbatches"
     return svg(width, y + 18, body, label=title, cls="fig gantt") + legend_html(items)

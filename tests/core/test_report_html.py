@@ -376,7 +376,7 @@ def test_schedules_draw_their_boxes(tmp_path):
         assert len(re.findall(r'class="op"', html)) == boxes, name
         assert len(re.findall(r'class="stage-row"', html)) == 2, name
     # Interleaved: stage 0 holds chunks 0 and 2 (layers 0-2 and 6-8).
-    assert "layers 0-2; layers 6-8" in open(tmp_path / "interleaved.html").read()
+    assert "chunk 0: layers 0-2; chunk 1: layers 6-8" in open(tmp_path / "interleaved.html").read()
     # No pipeline: one stage.
     html = open(write_html(replace(base, pipeline=None), str(tmp_path / "one.html"))).read()
     assert "one stage" in html and 'class="op"' not in html
