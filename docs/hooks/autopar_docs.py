@@ -387,10 +387,10 @@ def megatron_constants() -> str:
     from cost_models import megatron
 
     c = megatron.selene(8)
+    eff = c.device.efficiency
     return (
-        f"matmul `peak_fraction` {megatron.MEGATRON_2021_PEAK_FRACTION:g} "
-        f"(`cost_models.megatron.MEGATRON_2021_PEAK_FRACTION`) and "
-        f"`overlap_efficiency` {c.overlap_efficiency:g} (the `dgx-a100-80gb` preset)"
+        f"matmul `peak_fraction` {eff.peak_fraction:g} ({eff.source}) and the cluster's "
+        f"`overlap_efficiency` {c.overlap_efficiency:g}"
     )
 
 
