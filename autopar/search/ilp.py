@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autopar.search.batch_ties import batch_ties
 from autopar.search.build import memory
 from autopar.search.build.catalog import StrategyCatalog, struct_key
 from autopar.search.build.coarsen import (
@@ -231,8 +232,10 @@ def build(
             split_update=repeat is not None,
         )
         priced = price(coarse, catalog, replication_penalty_s=replication_penalty_s)
-        aliases = state_aliases(coarse, flat.input_ops) + tie_layers(
-            coarse, priced.groups, catalog, coarsen=coarsen_groups
+        aliases = (
+            state_aliases(coarse, flat.input_ops)
+            + tie_layers(coarse, priced.groups, catalog, coarsen=coarsen_groups)
+            + batch_ties(coarse, flat.input_ops, priced.groups)
         )
         persistent, timeline = memory.liveness(coarse, remat)
         nodes = tuple(

@@ -34,8 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from autopar.axes import exposed_class
@@ -60,10 +62,71 @@ def class_weight(cls: str, overlap_efficiency: float) -> float:
     return 1.0 - overlap_efficiency if cls in HIDEABLE_CLASSES else 1.0
 
 
+_MAX_GRADIENT_DIMS = 6
+"""Parameters of more (non-unit) dimensions match their gradients by exact shape only
+(the set partitions of 7 dimensions are 877; no model here has such a parameter)."""
+
+
+def _partitions(dims: tuple[int, ...]) -> list[list[list[int]]]:
+    """Every set partition of ``dims`` (as lists of the dimensions' sizes)."""
+    if not dims:
+        return [[]]
+    first, rest = dims[0], dims[1:]
+    out = []
+    for part in _partitions(rest):
+        out.append([[first], *part])
+        for i in range(len(part)):
+            out.append([*part[:i], [first, *part[i]], *part[i + 1 :]])
+    return out
+
+
+def _layout_free(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with its unit dimensions dropped, sorted: what a transpose keeps."""
+    return tuple(sorted(d for d in shape if d != 1))
+
+
+@lru_cache(maxsize=64)
+def gradient_shapes(param_shapes: frozenset[tuple[int, ...]]) -> frozenset[tuple[int, ...]]:
+    """The shapes (as :func:`_layout_free` keys) a parameter's gradient may have while it
+    is computed: the parameter's dimensions in any order (``x @ w`` gives ``dW^T`` as
+    ``dy^T . x``, transposed afterwards) and merged in any groups (a ``[d, h, k]``
+    kernel's gradient computed as ``[d, h*k]`` and reshaped).
+
+    Example:
+        >>> sorted(gradient_shapes(frozenset({(8, 1, 64)})))
+        [(8, 64), (512,)]
+    """
+    out: set[tuple[int, ...]] = set()
+    for shape in param_shapes:
+        dims = tuple(d for d in shape if d != 1)
+        if len(dims) > _MAX_GRADIENT_DIMS:
+            out.add(_layout_free(dims))
+            continue
+        for part in _partitions(dims):
+            out.add(_layout_free(tuple(math.prod(group) for group in part)))
+    return frozenset(out)
+
+
 def is_gradient_op(op: Op, param_shapes: frozenset[tuple[int, ...]]) -> bool:
-    """A backward op whose result has a parameter's shape: its partial sums are gradient
-    reductions (class ``dp_grad``)."""
-    return op.phase == "backward" and any(t.shape in param_shapes for t in op.node.out_tensors)
+    """A backward op whose result holds a parameter's elements (its shape, or its dims
+    transposed or merged, see :func:`gradient_shapes`): its partial sums are gradient
+    reductions (class ``dp_grad``), whichever layout the transpose rule computed them in.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> dw_t = NS(phase="backward", node=NS(out_tensors=(NS(shape=(8, 64)),)))
+        >>> is_gradient_op(dw_t, frozenset({(64, 8)}))     # dW of x @ w, before its transpose
+        True
+        >>> is_gradient_op(dw_t, frozenset({(64, 64)}))
+        False
+    """
+    if op.phase != "backward":
+        return False
+    if any(t.shape in param_shapes for t in op.node.out_tensors):
+        return True
+    keys = gradient_shapes(param_shapes)
+    # A scalar (or all-unit) result matches only by its exact shape, above.
+    return any((key := _layout_free(t.shape)) and key in keys for t in op.node.out_tensors)
 
 
 def feeds_state_update(op: Op, consumer_leader: Op) -> bool:
@@ -81,17 +144,22 @@ def collective_class(
     source: Op | None = None,
     into_state: bool = False,
     rename: Mapping[str, str] | None = None,
+    state_split: bool | None = None,
 ) -> str:
     """Which ``cost_models.COMM_CLASSES`` class a collective belongs to.
 
     A strategy's own collective (``source is None``) of a gradient op is a gradient
     reduction (``dp_grad``); a reshard that moves a parameter or optimizer state out of
     its stored layout, or an update into it (``into_state``), is an FSDP gather
-    (``fsdp_gather``); the rest is named after the mesh axes it runs over
-    (:func:`autopar.axes.exposed_class`): ``seq``, ``expert``, ``tensor``; else a
-    forward op's own reduction to a scalar (``scalar``: the loss, a metric) is
-    ``batch_reduce``, any other strategy's collective ``tensor``, and a reshard
-    ``reshard``.
+    (``fsdp_gather``), unless ``state_split`` is ``False``: the state is stored whole
+    over the collective's axes (a plain data-parallel plan), so what moves is a value
+    computed from it, not the state out of a sharded store (:func:`price_choice` knows
+    the layouts and says so; the ILP's pricing does not, and leaves it ``None``); the
+    rest is named after the mesh axes it runs over
+    (:func:`autopar.axes.exposed_class`): ``seq``, ``expert``, ``tensor``, except a
+    forward op's own reduction to a scalar (``scalar``: the loss, a metric), which is
+    ``batch_reduce`` over whatever axes split the batch; else any other strategy's
+    collective is ``tensor``, and a reshard ``reshard``.
 
     Example:
         >>> collective_class(Collective("all-reduce", ("tensor",), 8.0, 1e-6))
@@ -101,14 +169,16 @@ def collective_class(
     if source is None:
         if gradient:
             return "dp_grad"
-    elif source.root_role in STATE_ROLES or into_state:
+        if scalar:
+            # The loss's mean over the batch, over whichever axes split the batch
+            # (('data', 'tensor') when the planner splits the batch over both).
+            return "batch_reduce"
+    elif (source.root_role in STATE_ROLES or into_state) and state_split is not False:
         return "fsdp_gather"
     named = exposed_class(rename.get(a, a) for a in coll.axes)
     if named is not None:
         return named
-    if source is None:
-        return "batch_reduce" if scalar else "tensor"
-    return "reshard"
+    return "tensor" if source is None else "reshard"
 
 
 @dataclass(frozen=True)
@@ -271,6 +341,13 @@ def price_choice(
 
     ``rename`` maps the problem's axis names to the plan's (it names the classes of
     exposed collectives; it never changes seconds).
+
+    Each emitted collective is labelled by what it moves under this choice: a reshard
+    the ILP priced as an FSDP gather (it depends only on state) is an ``fsdp_gather``
+    only if that state is stored split over the collective's axes; otherwise (a pure
+    data-parallel plan computing an update split and gathering it back) it is named by
+    its axes or ``reshard``. The seconds, and so ``step_time_s``, are priced as the ILP
+    priced them.
     """
     rename = dict(rename or {})
     ctx, eta = bp.ctx, float(bp.ctx.cluster.overlap_efficiency)
@@ -289,6 +366,17 @@ def price_choice(
     def leader(op_index: int) -> Op:
         g, _ = bp.op_group[op_index]
         return bp.ops[bp.groups[g].ops[0]]
+
+    def stored_split(state: Op, c: Collective) -> bool:
+        """Whether ``state`` (a group leader) is a state input stored split over one of
+        the axes ``c`` runs over: only then does ``c`` gather sharded state."""
+        if state.kind not in ("input", "body_input") or state.root_role not in STATE_ROLES:
+            return False  # (a loop's body input is the state's slice entering the loop)
+        stored = bp.strategy(state.index, choice).outs[0]
+        return any(a in c.axes for dim in stored for a in dim)
+
+    def state_split(src: Op, into: bool, c: Collective, reader: Op | None = None) -> bool:
+        return stored_split(src, c) or (into and reader is not None and stored_split(reader, c))
 
     for g, group in enumerate(bp.groups):
         strats = group.strategies[choice[g]]
@@ -320,7 +408,13 @@ def price_choice(
                 colls = price_reshard(ctx, t, have, need, source=src)
                 linear += w * reshard_linear_s(colls, eta)
                 for pc in colls:
-                    emit(pc, w, f"{op.name} operand {k} {have}->{need} {t.shape}", source=src)
+                    emit(
+                        pc,
+                        w,
+                        f"{op.name} operand {k} {have}->{need} {t.shape}",
+                        source=src,
+                        state_split=state_split(src, False, pc.collective),
+                    )
     # Reads across groups. The same value resharded the same way for several readers is
     # one collective in the program (XLA's CSE: an FSDP parameter gathered for the
     # forward and again for the backward is gathered once and kept); the ILP, pairwise,
@@ -348,7 +442,8 @@ def price_choice(
         done.add(key)
         where = f"{op.name} operand {e.operand} {have}->{need} {t.shape}"
         for pc in colls:
-            emit(pc, w, where, source=src, into_state=into)
+            split = state_split(src, into, pc.collective, leader(e.op))
+            emit(pc, w, where, source=src, into_state=into, state_split=split)
     for r in combined:
         linear += combined_linear_s(r, eta)
     return Pricing(
@@ -374,6 +469,7 @@ __all__ = [
     "collective_class",
     "combined_linear_s",
     "feeds_state_update",
+    "gradient_shapes",
     "is_gradient_op",
     "price_choice",
     "price_reshard",

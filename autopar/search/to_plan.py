@@ -7,18 +7,19 @@ ZeRO stage is read off the layouts, and every activation the ILP priced is pinne
 (:func:`~autopar.search.evaluate.pinned_activations`). The prediction is the solution's
 evaluation, whose step time is the solver's objective.
 
-Example: the placeholder axis ``data`` (size 2) ends up splitting weights only, so it
-is renamed ``tensor``, and the other one ``data``.
+Example: the placeholder axis ``data`` (size 4) ends up splitting weights only, so it
+is renamed ``tensor``, and the other one ``data`` (on this small MLP the solver leaves
+that one idle: the mesh was fixed, and 4-way column parallelism is cheapest).
 
     >>> import math
     >>> from autopar.search.intra_op import solve_mesh
-    >>> result = solve_mesh(graph, cluster, {"data": 2, "tensor": 4}, SearchOptions(), 80e9)
+    >>> result = solve_mesh(graph, cluster, {"data": 4, "tensor": 2}, SearchOptions(), 80e9)
     >>> result.rename = role_names(result.built, result.solution.choice, ("data", "tensor"))
     >>> result.rename
     {'data': 'tensor', 'tensor': 'data'}
     >>> plan = write_plan(result, graph, cluster, memory_limit=80e9)
     >>> plan.mesh, plan.layers[0].ops, plan.input("state/params/layer_0/w").spec
-    ({'tensor': 2, 'data': 4}, (('dot_general', 'column(tensor)'),), (None, 'tensor'))
+    ({'tensor': 4, 'data': 2}, (('dot_general', 'column(tensor)'),), (None, 'tensor'))
     >>> math.isclose(plan.predicted.step_time_s, result.solution.objective)
     True
 """
@@ -44,19 +45,64 @@ _UNUSED_AXIS_NAMES = ("data", "tensor", "seq", "fsdp", "expert")
 """Names an axis that splits nothing takes, in order of preference."""
 
 
+def _split_count(spec: Sharding) -> int:
+    return sum(len(dim) for dim in spec)
+
+
+def batch_layouts(bp: BuiltProblem, choice: Sequence[int]) -> dict[int, Sharding]:
+    """The layout each batch input (graph input index) is *used* in.
+
+    That is its stored layout when that splits its leading (batch) dimension, else the
+    most split layout its readers take it in: a ``[B, S]`` token array stored whole is
+    often sliced for free by the embedding lookup that reads it, and the axis that slices
+    it splits the batch as surely as one that splits the stored array. Naming axes
+    (:func:`role_names`) and the ZeRO stage (:func:`zero_stage_of`) go by this layout, so
+    a plan that keeps its small token arrays whole does not read as having no data
+    parallelism.
+    """
+    out: dict[int, Sharding] = {}
+    whole: dict[int, int] = {}  # the group of a batch input stored whole -> the input
+    for gi in bp.graph.inputs:
+        if gi.role != "batch":
+            continue
+        spec = bp.spec_of_input(gi.index, choice)
+        out[gi.index] = spec
+        if not (spec and spec[0]) and gi.tensor.ndim:
+            whole[bp.op_group[bp.input_ops[gi.index]][0]] = gi.index
+    if not whole:
+        return out
+    for _op, _k, ref, _have, need in bp.resharded_reads(choice):
+        # The value read is the input or what its group computes from it (index
+        # arithmetic, a reshape) with the same leading dimension.
+        index = whole.get(bp.op_group.get(ref.op, (-1,))[0])
+        if index is None or ref.delta or not need or not need[0]:
+            continue
+        src = bp.ops[ref.op]
+        shape = src.node.out_tensors[ref.port].shape if src.kind == "node" else None
+        batch = bp.graph.inputs[index].tensor.shape[0]
+        if shape is not None and (not shape or shape[0] != batch):
+            continue
+        used = (tuple(need[0]),) + ((),) * (bp.graph.inputs[index].tensor.ndim - 1)
+        if _split_count(used) > _split_count(out[index]):
+            out[index] = used
+    return out
+
+
 def role_names(bp: BuiltProblem, choice: Sequence[int], allowed: Sequence[str]) -> dict[str, str]:
     """Rename placeholder axes by what the solution does with them.
 
     Axes that split an expert dimension of a parameter are ``expert``, axes that split
     the batch dimension ``data`` (then ``fsdp``), axes that split the sequence but not
-    the batch ``seq``, the rest ``tensor``.
+    the batch ``seq``, the rest ``tensor``. A batch input is judged by the layout it is
+    used in (:func:`batch_layouts`), not only the one it is stored in.
     """
     g = bp.graph
     mesh = list(bp.ctx.mesh_dict)
     experts = expert_dims(g) if "expert" in allowed else {}
     usage: dict[str, set[str]] = {a: set() for a in mesh}
+    used_batch = batch_layouts(bp, choice)
     for gi in g.inputs:
-        spec = bp.spec_of_input(gi.index, choice)
+        spec = used_batch.get(gi.index) or bp.spec_of_input(gi.index, choice)
         for d, dim in enumerate(spec):
             for a in dim:
                 if gi.role == "batch":
@@ -243,7 +289,7 @@ def _zero_stage(bp: BuiltProblem, choice: Sequence[int]) -> int:
             if gi.role == role
         ]
 
-    batch = [spec for spec, _ in leaves("batch")]
+    batch = list(batch_layouts(bp, choice).values())
     return zero_stage_of(batch, leaves("param"), leaves("opt_state"))
 
 
@@ -296,4 +342,4 @@ def write_plan(
     )
 
 
-__all__ = ["describe_strategy", "role_names", "write_plan", "zero_stage_of"]
+__all__ = ["batch_layouts", "describe_strategy", "role_names", "write_plan", "zero_stage_of"]
