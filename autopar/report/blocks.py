@@ -86,9 +86,13 @@ def block_grid(record: TensorSharding, mesh: Mapping[str, int]) -> BlockGrid:
 
 
 def pick_leaves(plan: Plan, limit: int = 4) -> list[TensorSharding]:
-    """Up to ``limit`` parameters to draw (``role == "param"``; every input when there is
-    none): split ones before replicated ones, the largest of each distinct layout first."""
+    """Up to ``limit`` parameters to draw (``role == "param"``; with the split inputs when
+    no parameter is split; every input when there is no parameter): split ones before
+    replicated ones, the largest of each distinct layout first."""
     leaves = [r for r in plan.inputs if r.role == "param" and r.shape]
+    if not any(entry_axes(e) for r in leaves for e in r.spec):
+        # No parameter is split (data parallel): the split inputs (the batch) show the plan.
+        leaves += [r for r in plan.inputs if r.role != "param" and r.shape and any(r.spec)]
     if not leaves:
         leaves = [r for r in plan.inputs if r.shape]
     leaves.sort(key=lambda r: (not any(entry_axes(e) for e in r.spec), -param_bytes(r), r.path))
@@ -115,8 +119,8 @@ def sharding_figure(record: TensorSharding, mesh: Mapping[str, int], width: floa
     aspect = min(max(n_rows / max(n_cols, 1), 0.25), 1.0 if rd is None else 4.0)
     w = width
     h = max(min(w * aspect, 360.0), 44.0 * g.rows, 60.0)
-    if rd is None:
-        h = 60.0
+    if rd is None or g.rows * g.cols == 1:
+        h = 60.0  # one row, or one block: its shape says nothing more
     bw, bh = w / g.cols, h / g.rows
     body: list[str] = []
     ordered = sorted(g.holders)

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from autopar.verify.report import VerifyReport
 
 
+_FILE_MODE = 0o644
+
+
 def _atomic_write(path: str, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -37,6 +40,7 @@ def _atomic_write(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, _FILE_MODE)  # mkstemp makes it private; a report is for reading
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -83,6 +83,7 @@ def save_plots(plan: Plan | Sequence[Plan], out_dir: str) -> list[str]:
         os.close(fd)
         try:  # atomically: a reader never sees half a PNG
             fig.savefig(tmp, dpi=110, format="png")
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a plot is for reading
             os.replace(tmp, path)
         finally:
             plt.close(fig)

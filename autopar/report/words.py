@@ -135,6 +135,8 @@ def dim_words(record: TensorSharding, dim: int, stacked: bool = False) -> str:
         splits = known.splits if known else ""
         if splits == "stages":
             words.append(f"layers by pipeline stage ({a})")
+        elif record.role in ("batch", "output", "other") and splits in ("batch", "batch+state"):
+            words.append(f"{'batch' if dim == 0 else 'split'}, data parallel ({a})")
         elif splits in ("batch", "batch+state"):
             words.append(f"ZeRO / FSDP shard ({a})")
         elif splits == "model" and "embed" in record.path.lower() and dim == 0:
