@@ -408,3 +408,19 @@ def test_report_directory_is_self_contained(tmp_path):
     assert "ok 1e-7" in html
     assert "<img" not in html  # the plots are inline SVG; the PNGs are for other documents
     assert not re.search(r"https?://", html.replace(SVG_NS, ""))
+
+
+def test_a_bare_plan_renders_and_names_are_escaped(tmp_path):
+    # A hand-made plan with nothing predicted, no cluster, no parameter, an odd axis name,
+    # and markup in its name: every section still renders, and says what is missing.
+    plan = Plan(mesh={"x": 2}, name="<script>alert(1)</script>")
+    html = open(write_html(plan, str(tmp_path / "bare.html")), encoding="utf-8").read()
+    assert "<script" not in html and "&lt;script&gt;" in html
+    for sid in SECTION_IDS:
+        assert f'<section id="{sid}"' in html
+    assert len(re.findall(r'class="device"', html)) == 2
+    assert "one stage" in html
+    assert "lists no parameter" in html
+    assert "no runner-up" in html
+    assert "not run" in html
+    assert "no device capacity" in html
