@@ -1,10 +1,11 @@
 """mkdocs hooks: the parts of ``docs/`` generated from the code at build time.
 
 A page asks for a generated block with an HTML comment, ``<!-- autopar:NAME -->`` (on a
-line of its own for a table, inline for a list of names); :func:`on_page_markdown` replaces it with the Markdown that
-``GENERATORS[NAME]`` returns, before the page is converted (so ``:::`` directives it emits
-are rendered by mkdocstrings). An unknown name fails the build. Nothing here is copied by
-hand from the code, so the pages cannot drift from it:
+line of its own for a table, inline for a list of names); :func:`on_page_markdown`
+replaces it with the Markdown that ``GENERATORS[NAME]`` returns, before the page is
+converted (so ``:::`` directives it emits are rendered by mkdocstrings). An unknown name
+fails the build. Nothing here is copied by hand from the code, so the pages cannot drift
+from it:
 
 * ``cli``: ``autopar.cli.build_parser()``'s help, the top level and every verb;
 * ``api-autopar``: one mkdocstrings block per name of ``autopar.__all__``;
@@ -14,7 +15,7 @@ hand from the code, so the pages cannot drift from it:
 * ``clusters``, ``devices``: the cost model's cluster presets and device catalog;
 * ``published``: every row of the published-runs CSVs in ``benchmarks/reference/``
   priced by ``cost_models.megatron.estimate_iteration`` (one table per CSV, one row per
-  CSV row).
+  CSV row); ``megatron-constants``: the fitted constants it uses, with their sources.
 
 Loaded by ``mkdocs.yml`` (``hooks:``); ``mkdocs build --strict`` runs in the test suite
 (``tests/core/test_docs.py``).

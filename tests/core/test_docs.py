@@ -221,17 +221,30 @@ def test_quickstart_first_step_runs_as_written(
     assert [float(x) for x in lines[:3]] == pytest.approx(expected, rel=1e-5)
 
 
-def test_unknown_generated_block_fails_the_build() -> None:
+def _hook(name: str):
+    """A module of ``docs/hooks/`` (not a package: mkdocs loads them by path)."""
     import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["autopar_docs", "griffe_markdown"])
+def test_hook_docstring_examples(name: str) -> None:
+    import doctest
+
+    result = doctest.testmod(_hook(name))
+    assert result.attempted >= 1 and result.failed == 0
+
+
+def test_unknown_generated_block_fails_the_build() -> None:
     from types import SimpleNamespace
 
     from mkdocs.exceptions import PluginError
 
-    spec = importlib.util.spec_from_file_location(
-        "autopar_docs", ROOT / "docs/hooks/autopar_docs.py"
-    )
-    hook = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hook)
+    hook = _hook("autopar_docs")
     page = SimpleNamespace(file=SimpleNamespace(src_path="x.md"))
     # A known inline block is replaced by the code's own names; an unknown one is an error.
     from autopar.options import REMATS
