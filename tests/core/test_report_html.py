@@ -403,9 +403,17 @@ def test_verify_section_shows_predicted_against_compiled(tmp_path):
 
 
 def test_report_directory_is_self_contained(tmp_path):
-    index = write_report(_hand_plan(), str(tmp_path / "rep"), sections={"Loss check": "ok 1e-7"})
+    from autopar.verify.report import VerifyReport, VerifyRow
+
+    ok = VerifyReport(
+        "autopar", (VerifyRow("all-reduce", 1, 8.0, 1, 8.0, ("data",), ("data",)),), None
+    )
+    index = write_report(
+        _hand_plan(), str(tmp_path / "rep"), sections={"Loss check": "ok 1e-7"}, verify=ok
+    )
     html = open(index, encoding="utf-8").read()
     assert "ok 1e-7" in html
+    assert 'data-ok="true"' in html and "not run" not in html
     assert "<img" not in html  # the plots are inline SVG; the PNGs are for other documents
     assert not re.search(r"https?://", html.replace(SVG_NS, ""))
 
