@@ -1,11 +1,13 @@
 """The collectives table's ``where`` says what each collective is (issue 15, item 6): a
 reduction over the data-parallel axes of a value that is no gradient (the loss) is a
-``batch_reduce``, not a ``tensor`` collective; its pricing (exposed) is unchanged."""
+``batch_reduce``, not a ``tensor`` collective; its pricing (exposed) is unchanged. A weight
+gradient computed transposed (``x @ w.T``, and JAX's own ``dW^T`` for ``x @ w``) is a
+gradient reduction; a plan whose state is stored whole lists no ``fsdp_gather``."""
 
 from __future__ import annotations
 
 import autopar
-from autopar.search.pricing import class_weight, collective_class
+from autopar.search.pricing import class_weight, collective_class, gradient_shapes
 from autopar.search.sharding import Collective
 from benchmarks.models import mlp
 
@@ -31,3 +33,77 @@ def test_the_loss_reduction_of_a_data_parallel_plan_is_a_batch_reduce():
     # The loss's mean over the batch: a 4-byte scalar reduced over data, once.
     (loss,) = [c for c in ev.collectives if c.where == "batch_reduce"]
     assert (loss.kind, loss.axes, loss.bytes, loss.count) == ("all-reduce", ("data",), 4.0, 1)
+
+
+def _transposed_step():
+    """``h = relu(x @ w1); y_hat = h @ w2.T``: ``w2`` is stored ``[out, hidden]``, so its
+    gradient is computed as ``dy^T . h`` in ``[out, hidden]``, and ``w1``'s as
+    ``(x^T . dh)`` transposed from ``[hidden, in]`` (JAX's transpose rule of a dot)."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(params, batch):
+        def loss(p):
+            h = jax.nn.relu(batch["x"] @ p["w1"])
+            return jnp.mean((h @ p["w2"].T - batch["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    params = {
+        "w1": jax.ShapeDtypeStruct((16, 64), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((8, 64), jnp.float32),
+    }
+    batch = {
+        "x": jax.ShapeDtypeStruct((32, 16), jnp.float32),
+        "y": jax.ShapeDtypeStruct((32, 8), jnp.float32),
+    }
+    return step, (params, batch)
+
+
+def test_transposed_weight_gradients_are_gradient_reductions():
+    step, args = _transposed_step()
+    graph = autopar.trace(step, *args)
+    # The backward dots: w1's gradient comes out as [64, 16] (then transposed), w2's as
+    # [8, 64]; neither matched the old exact-shape test for w1.
+    dots = [n for n in graph.nodes if n.primitive == "dot_general" and n.phase == "backward"]
+    assert (64, 16) in [t.shape for n in dots for t in n.out_tensors]
+    plan = autopar.baselines.data_parallel(step, {"data": 8}, *args)
+    ev = autopar.evaluate(step, plan, "dgx-a100-80gb", *args)
+    # Data parallel over 8: each weight's gradient reduced over data once (16*64 and
+    # 8*64 float32 = 4096 + 2048 bytes; the completion may reduce-scatter it and gather
+    # the updated weight back), the loss's mean once (4 bytes). No tensor parallelism.
+    by_class: dict[str, list] = {}
+    for c in ev.collectives:
+        assert c.axes == ("data",), c
+        by_class.setdefault(c.where, []).append(c)
+    assert set(by_class) <= {"dp_grad", "batch_reduce", "reshard"}, ev.collectives
+    grads = by_class["dp_grad"]
+    assert sum(c.bytes for c in grads) == 6144.0 and sum(c.count for c in grads) == 2
+    assert {c.kind for c in grads} <= {"all-reduce", "reduce-scatter"}
+    (loss,) = by_class["batch_reduce"]
+    assert (loss.kind, loss.bytes, loss.count) == ("all-reduce", 4.0, 1)
+
+
+def test_gradient_shapes_cover_transposes_and_merges():
+    keys = gradient_shapes(frozenset({(4, 8, 16)}))
+    # Set partitions of {4, 8, 16}: 5, each a multiset of products.
+    assert keys == {(4, 8, 16), (16, 32), (8, 64), (4, 128), (512,)}
+    assert gradient_shapes(frozenset({(1, 8)})) == {(8,)}
+
+
+def test_a_pure_data_parallel_plan_has_no_fsdp_gather():
+    # Wide-ResNet (conv + batch norm) under the data-parallel baseline: every parameter and
+    # optimizer-state leaf is stored whole, so nothing gathers sharded state. The plan's
+    # completion computes some batch-norm updates split over data and gathers them back:
+    # those are reshards, which the table used to call fsdp_gather.
+    from benchmarks.models import wide_resnet
+
+    step, args = wide_resnet.make_train_step(wide_resnet.preset("tiny"), 16)
+    plan = autopar.baselines.data_parallel(step, {"data": 8}, *args)
+    assert plan.zero_stage == 0
+    assert all(not any(r.spec) for r in plan.inputs if r.role in ("param", "opt_state"))
+    ev = autopar.evaluate(step, plan, "dgx-a100-80gb", *args)
+    classes = {c.where for c in ev.collectives}
+    assert "fsdp_gather" not in classes, ev.collectives
+    assert {"dp_grad", "batch_reduce"} <= classes
