@@ -36,7 +36,10 @@ TOPOLOGIES: tuple[str, ...] = ("switch", "torus")
 # running next to compute kernels take SMs and HBM bandwidth from them, so a compute second
 # hides less than a full second of communication. Source: fitted once to the six ZeRO-3
 # rows of Megatron-LM 2021 Table 2 (the only published rows whose communication overlaps
-# compute; loss flat between 0.55 and 0.65), see cost_models/megatron.py.
+# compute; loss flat between 0.55 and 0.65), see cost_models/megatron.py, with those runs'
+# parameter gathers as ZeRO's per-owner broadcasts (``owner_collectives``). The planner's
+# evaluation with overlap bounded by compute reproduces the 175B rows with it too
+# (benchmarks/bench_published.py, docs/cost-model-validation.md).
 DEFAULT_OVERLAP_EFFICIENCY = 0.6
 
 # NCCL's own cost model (NVIDIA/nccl src/graph/tuning.cc, 2.9-2.12 era), ring / Simple

@@ -28,7 +28,14 @@ ONE set of constants serves every row; nothing is tuned per row:
   smallest divisor >= 2 of the layers per stage when p > 1 (the paper does not give v);
 * DeepSpeed ZeRO-3: per microbatch, every layer's parameters are all-gathered three times
   (forward, recomputed forward, backward) and its gradients reduce-scattered once, over
-  the whole data-parallel group with ``algorithm="auto"`` (a ring, as NCCL does for these).
+  the whole data-parallel group; :func:`selene` sets ``owner_collectives`` (the ZeRO
+  paper's per-owner broadcasts / reduces, one GPU's NIC on the whole buffer: 2021's
+  software generation), since NCCL's own all-gather over all NICs would put ZeRO-3 at
+  ~190 TFLOP/s on 1536 GPUs, far above the published 44.
+
+This closed form is a cross-check kept beside the tests (``tests/cost_models/test_megatron.py``,
+the docs' published-runs page), not the validated model: ``benchmarks/bench_published.py``
+prices the same runs by the planner's own evaluation of the traced GPT.
 
 Run ``python -m cost_models.megatron`` for the comparison table.
 
@@ -196,8 +203,10 @@ def selene(gpus: int, efficiency: Efficiency = MEGATRON_2021_EFFICIENCY) -> Clus
     """The paper's cluster (Selene: DGX A100 80GB nodes) with ``gpus`` GPUs, 8 per node.
 
     The ``dgx-a100-80gb`` preset as it is, except that the A100's matmul efficiency is
-    :data:`MEGATRON_2021_EFFICIENCY` (what Megatron-LM's 2021 kernels reached). Use this
-    cluster to score Megatron configurations with the rest of the cost model too.
+    :data:`MEGATRON_2021_EFFICIENCY` (what Megatron-LM's 2021 kernels reached) and that
+    all-gathers / reduce-scatters across nodes are ZeRO's per-owner collectives
+    (``owner_collectives``, DeepSpeed's 2021 ZeRO-3). Use this cluster to score Megatron
+    configurations with the rest of the cost model too.
 
     Example:
         >>> selene(16).device.efficiency.peak_fraction
