@@ -417,6 +417,14 @@ def finish(plan: Plan, ev: Any, cluster: Any, shortlist: tuple) -> Plan:
     )
 
 
+def _memory_key(c: PipelineConfig) -> tuple:
+    """What a finalist's priced / screened memory teaches about others: the same model
+    group, pipelined or not (a pipeline's stages price far over their screen, while a
+    microbatched step without one prices about at it: 760M GPT on 2 A100s, 1.86x vs
+    0.99x; one scale for both ruled out the fastest microbatch count that fit)."""
+    return (c.pipe > 1, tuple(sorted(c.model.items())))
+
+
 def _shape(c: PipelineConfig) -> tuple:
     return (c.pipe, tuple(sorted(c.model.items())))
 
@@ -431,21 +439,29 @@ def _next_finalist(
 ) -> int | None:
     """Index of the next configuration to price in full: the fastest that fits by the
     screen (its memory times what pricing its group taught, ``scale``, or the most any
-    group taught for a group not priced yet; with slack), at most :data:`_PER_SHAPE` per
+    group of its kind, pipelined or not, taught for a group not priced yet; with slack), at most :data:`_PER_SHAPE` per
     stage count and model group; when none fits (or ``smallest_first``), the smallest.
     ``None`` when every configuration is taken or capped."""
-    best_fit: tuple[float, int] | None = None
+    best_fit: tuple[float, int, int] | None = None
     smallest: tuple[float, int] | None = None
-    worst = max(scale.values(), default=1.0)
+    worst: dict[bool, float] = {}  # per kind (pipelined or not), the largest excess seen
+    for (piped, _), v in scale.items():
+        worst[piped] = max(worst.get(piped, 1.0), v)
     for i, s in enumerate(screened):
         if i in taken or per.get(_shape(s.config), 0) >= _PER_SHAPE:
             continue
-        mem = s.memory_bytes * scale.get(_shape(s.config)[1], worst)
+        key = _memory_key(s.config)
+        mem = s.memory_bytes * scale.get(key, worst.get(key[0], 1.0))
         if mem <= limit * _SCREEN_SLACK:
-            best_fit = min(best_fit or (s.step_time_s, i), (s.step_time_s, i))
+            # Screened ties (a microbatch of b examples costs b times one's here) go to
+            # the larger microbatch: its matmuls run nearer peak when priced in full (350M
+            # GPT on one A100: 128 microbatches of 8, 33.76 s, was never priced behind
+            # 512 of 2 and 256 of 4, 33.90 s).
+            key = (float(f"{s.step_time_s:.9g}"), -s.config.microbatch_size, i)
+            best_fit = min(best_fit or key, key)
         smallest = min(smallest or (mem, i), (mem, i))
     pick = smallest if smallest_first else best_fit or smallest
-    return None if pick is None else pick[1]
+    return None if pick is None else pick[-1]
 
 
 @dataclass
@@ -559,14 +575,14 @@ def plan_outer(
             per[_shape(s.config)] = per.get(_shape(s.config), 0) + 1
             q = _price(
                 fn, args, graph, cluster, options, s, limit,
-                scale.get(_shape(s.config)[1], 1.0), accs,
+                scale.get(_memory_key(s.config), 1.0), accs,
             )  # fmt: skip
             priced.append(q)
             if q.candidate.step_time_s is not None and s.step_time_s > 0:
                 ratios.append(q.candidate.step_time_s / s.step_time_s)
             got = q.candidate.memory_bytes_per_device
             if got is not None and s.memory_bytes > 0:
-                group = _shape(s.config)[1]
+                group = _memory_key(s.config)
                 scale[group] = max(scale.get(group, 1.0), got / s.memory_bytes)
             bar.advance(f"priced {s.config.label}")
         # The shortlist holds at least FINALISTS candidates: the next screened ones fill
@@ -595,7 +611,7 @@ def _fits(q: _Priced, limit: float) -> bool:
 def _screened_only(s: Screened, scale: Mapping) -> _Priced:
     from autopar.search.shortlist import unsolved
 
-    mem = s.memory_bytes * scale.get(_shape(s.config)[1], 1.0)
+    mem = s.memory_bytes * scale.get(_memory_key(s.config), 1.0)
     why = (
         f"screened only (not priced in full): about {s.step_time_s:.3g} s per step, "
         f"{mem / 2**30:.3g} GiB per device"
