@@ -20,6 +20,14 @@ and ZeRO-3, ``baselines.megatron`` otherwise). The path is the one ``bench_scale
 ``autopar.search.outer.price_pipeline`` with the inner plan inside the stages, or one
 stage of ``m`` accumulated microbatches (``autopar.search.stages.evaluate_pipeline``).
 
+The step time is the evaluation's with two corrections the planner's own step time does
+not make (``bounded_step_s``): overlap bounded by the compute there is to hide behind
+(``cost_models.compose_step_time``'s rule; the planner's linear objective hides
+``overlap_efficiency`` of every overlappable second however little compute there is;
+the ``linear`` column shows it uncorrected), and, for the Megatron-LM and
+Megatron-DeepSpeed runs, gradients reduced once after the pipeline flush rather than in
+every microbatch as the planner's accumulated program does.
+
 Predicted TFLOP/s per GPU uses the papers' count (``96 B s l h^2 (1 + s/(6h) + V/(16 l
 h))``, recomputation included: ``cost_models.memory.megatron_flops_per_iteration``), so
 it compares with the published column. ``err`` = predicted / published - 1.
@@ -310,7 +318,10 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
             run.global_batch, run.seq, run.layers, run.hidden, run.vocab, recompute=True
         )
         eta = float(cluster.overlap_efficiency)
-        bounded = bounded_step_s(ev, eta, run.pipeline)
+        # Megatron-LM and Megatron-DeepSpeed reduce gradients once, after the flush;
+        # DeepSpeed's ZeRO-3 reduce-scatters them bucketed during the backward pass.
+        once = m if run.zero_stage != 3 else None
+        bounded = bounded_step_s(ev, eta, run.pipeline, reduce_after_flush=once)
         pred = flops / bounded / run.gpus / 1e12
         out.update(
             config=_config_text(run),
@@ -332,7 +343,9 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
     return out
 
 
-def bounded_step_s(ev: Any, eta: float, pipeline: int) -> float:
+def bounded_step_s(
+    ev: Any, eta: float, pipeline: int, *, reduce_after_flush: int | None = None
+) -> float:
     """The evaluation's step time with overlap bounded by the compute there is.
 
     The planner's step time (``Evaluation.step_time_s``, its ILP objective) counts each
@@ -346,6 +359,12 @@ def bounded_step_s(ev: Any, eta: float, pipeline: int) -> float:
     Parameter gathers take the budget first (they gate the next layer), then gradient
     reductions.
 
+    ``reduce_after_flush=m``: the run reduces data-parallel gradients once per step after
+    the last microbatch (Megatron-LM 2021 and the DeepSpeed pipeline engine, ZeRO-1 or
+    none), where the planner's accumulated program reduces them in each of its ``m``
+    microbatches: the ``dp_grad`` charged into the stages is taken out and one
+    microbatch's worth (``1/m`` of it) added in full, hidden behind nothing.
+
     Example:
         >>> from types import SimpleNamespace as NS
         >>> c = NS(axes=("data",), where="fsdp_gather", time_s=50.0)
@@ -353,6 +372,11 @@ def bounded_step_s(ev: Any, eta: float, pipeline: int) -> float:
         >>> # raw compute 30 - 0.4 x 50 = 10; hidden min(0.6 x 50, 0.6 x 10) = 6
         >>> bounded_step_s(ev, 0.6, 1)  # 30 + 30 - 6
         54.0
+        >>> g = NS(axes=("data",), where="dp_grad", time_s=8.0)
+        >>> ev = NS(step_time_s=23.2, compute_s=23.2, collectives=(g,))
+        >>> # raw 20; 8 s of per-microbatch reductions become one of 8 / 4 = 2 s, exposed
+        >>> round(bounded_step_s(ev, 0.6, 1, reduce_after_flush=4), 6)  # 20 + 2
+        22.0
     """
     hideable = {"dp_grad": 0.0, "fsdp_gather": 0.0}
     charged = 0.0
@@ -368,6 +392,9 @@ def bounded_step_s(ev: Any, eta: float, pipeline: int) -> float:
     raw_compute = max(ev.compute_s - charged, 0.0)
     budget = eta * raw_compute
     step = ev.step_time_s + eta * sum(hideable.values())  # every hideable second in full
+    if reduce_after_flush:
+        step += hideable["dp_grad"] * (1.0 / reduce_after_flush - 1.0)
+        hideable["dp_grad"] = 0.0
     hidden = 0.0
     for cls in ("fsdp_gather", "dp_grad"):
         h = min(hideable[cls], budget)

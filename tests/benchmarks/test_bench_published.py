@@ -79,6 +79,13 @@ def test_bounded_step_hides_no_more_than_the_compute_allows():
     ev = NS(step_time_s=3.5, compute_s=3.5, collectives=(gather, tensor, p2p))
     # raw = 3.5 - 0.5 - 0.4 x 5 = 1; hidden min(3, 0.6) -> 3.5 + 3 - 0.6
     assert bp.bounded_step_s(ev, eta, 2) == pytest.approx(5.9)
+    # Gradients reduced once after the flush instead of in each of m = 4 microbatches:
+    # stage work 12 = raw 10 + 0.4 x 5 s of per-microbatch reductions; after the flush
+    # one reduction of 5 / 4 s, exposed: 10 + 1.25
+    grads = NS(axes=("data",), where="dp_grad", time_s=5.0)
+    ev = NS(step_time_s=12.0, compute_s=12.0, collectives=(grads, p2p))
+    assert bp.bounded_step_s(ev, eta, 1, reduce_after_flush=4) == pytest.approx(11.25)
+    assert bp.bounded_step_s(ev, eta, 1) == pytest.approx(10.0)  # hidden during backward
 
 
 def test_zero3_175b_falls_as_published():
