@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from autopar.atomic import atomic_write
 from autopar.errors import LoadPlanError
 
 SCHEMA_VERSION = 1
@@ -549,18 +549,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON atomically (a crash never leaves a partial file)."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:

@@ -17,10 +17,10 @@ Example:
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from autopar.atomic import atomic_write
 from autopar.plan import Plan
 from autopar.report.page import build_page
 from autopar.report.plots import save_plots
@@ -28,24 +28,6 @@ from autopar.report.text import summary
 
 if TYPE_CHECKING:
     from autopar.verify.report import VerifyReport
-
-
-_FILE_MODE = 0o644
-
-
-def _atomic_write(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, _FILE_MODE)  # mkstemp makes it private; a report is for reading
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_html(
@@ -73,7 +55,7 @@ def write_html(
     """
     path = os.fspath(path)
     page = build_page(plan, verify=verify, sections=sections, compare=compare or ())
-    _atomic_write(path, page)
+    atomic_write(path, page)
     return path
 
 
@@ -104,7 +86,7 @@ def write_report(
     """
     os.makedirs(out_dir, exist_ok=True)
     plan.save(os.path.join(out_dir, "plan.json"))
-    _atomic_write(os.path.join(out_dir, "summary.txt"), summary(plan))
+    atomic_write(os.path.join(out_dir, "summary.txt"), summary(plan))
     save_plots([plan, *(compare or [])], out_dir)
     return write_html(
         plan,

@@ -9,9 +9,9 @@ Example:
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 
+from autopar.atomic import atomic_path
 from autopar.plan import Plan
 
 
@@ -79,15 +79,10 @@ def save_plots(plan: Plan | Sequence[Plan], out_dir: str) -> list[str]:
     ):
         fig = make(plans)
         path = os.path.join(out_dir, name)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".png")
-        os.close(fd)
-        try:  # atomically: a reader never sees half a PNG
-            fig.savefig(tmp, dpi=110, format="png")
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; a plot is for reading
-            os.replace(tmp, path)
+        try:
+            with atomic_path(path) as tmp:  # a reader never sees half a PNG
+                fig.savefig(tmp, dpi=110, format="png")
         finally:
             plt.close(fig)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         paths.append(path)
     return paths
