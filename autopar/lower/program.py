@@ -143,6 +143,18 @@ def pipeline_program(
 
     specs = value_specs(cut)
     sizes = {a: n for a, n in plan.mesh.items() if a != pipe_axis}
+    if split == 1 and rows:
+        # Batch inputs left whole, activations pinned split over the batch (a searched
+        # stage layout): the pinned sends and stash say how the batch is split.
+        split = max(
+            (
+                math.prod(sizes.get(a, 1) for a in _axes(spec[d]))
+                for v, spec in specs.items()
+                for d in range(min(2, len(spec)))
+                if len(cut.aval(v).shape) > d and cut.aval(v).shape[d] == rows
+            ),
+            default=1,
+        )
 
     def value_bytes(v: Any) -> float:
         """A value's bytes per device: as its pinned layout splits it, else as above."""
@@ -266,7 +278,13 @@ def _spec_of(v: Any, producers: dict[Any, Any], memo: dict[Any, Any], depth: int
         body = eqn.params["jaxpr"].jaxpr
         i = list(eqn.outvars).index(v)
         inner = {w: e for e in body.eqns for w in e.outvars}
-        got = _spec_of(body.outvars[i], inner, {}, depth + 1)
+        out = body.outvars[i]
+        nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+        if out in body.invars[nc : nc + nk]:
+            # a carry returned as a stacked result (a layer's input, kept for its
+            # recomputation): laid out as the carry, which the body's result fixes
+            out = body.outvars[body.invars.index(out) - nc]
+        got = _spec_of(out, inner, {}, depth + 1)
         if got is not None:
             spec = got if i < eqn.params["num_carry"] else (None, *got)
     elif name not in _NOT_ELEMENTWISE and len(eqn.outvars) == 1 and ndim:
@@ -280,6 +298,10 @@ def _spec_of(v: Any, producers: dict[Any, Any], memo: dict[Any, Any], depth: int
         spec = tuple(spec) + (None,) * (ndim - len(spec))
     memo[v] = spec
     return spec
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
 def _split_bytes(shape: tuple[int, ...], dtype: Any, spec: tuple, sizes: dict[str, int]) -> int:

@@ -68,6 +68,7 @@ from autopar.errors import (
 from autopar.options import SearchOptions
 from autopar.plan import PipelinePlan, Plan
 from autopar.search.costs import CostContext
+from autopar.search.interop import layer_bytes, split_stages, stage_memory
 from autopar.search.meshes import candidate_meshes, offered_axes
 from autopar.trace.graph import Graph
 
@@ -166,6 +167,11 @@ class Profile:
         scanned: whether the layers run as a scan over a stacked stack: a
             rematerialised stage then recomputes them one layer at a time
             (:func:`autopar.lower.stage_remat.remat_stages`).
+        layer_forward_s / layer_backward_s: per layer, a microbatch's seconds (the
+            embedding with the first layer, the head with the last:
+            ``evaluate_pipeline(..., per_layer=True)``); empty when not profiled.
+        layer_bytes: per layer, its share of the parameters and activations
+            (:func:`autopar.search.interop.layer_bytes`), or ``None``.
     """
 
     model: Mapping[str, int]
@@ -179,6 +185,9 @@ class Profile:
     boundary_bytes: float
     layers: int = 0
     scanned: bool = False
+    layer_forward_s: tuple[float, ...] = ()
+    layer_backward_s: tuple[float, ...] = ()
+    layer_bytes: Any = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +198,7 @@ class Screened:
     step_time_s: float
     memory_bytes: float
     activation_bytes: float = 0.0  # of memory_bytes, what the in-flight microbatches hold
+    stages: tuple[tuple[int, int], ...] | None = None  # the inter-op split (None: even)
 
 
 def _divisors(n: int) -> list[int]:
@@ -283,7 +293,9 @@ def configurations(
     return out
 
 
-def screen(config: PipelineConfig, prof: Profile, cluster: Any) -> Screened:
+def screen(
+    config: PipelineConfig, prof: Profile, cluster: Any, limit: float | None = None
+) -> Screened:
     """A configuration's step time and peak memory per device from its group's profile.
 
     Example: 4 stages, 8 microbatches of 1, one example's forward 1 s, backward 2 s.
@@ -335,7 +347,53 @@ def screen(config: PipelineConfig, prof: Profile, cluster: Any) -> Screened:
         held = boundary * inflight * per_stage + act / per_stage
     else:  # the whole stage recomputed at once from its input
         held = boundary * inflight * v + act
-    return Screened(config, step, prof.state_bytes / p + held, held)
+    uneven = _uneven(c, prof, boundary, scale, limit)
+    if uneven is not None:
+        # The inter-op split (autopar.search.interop): Alpa's sum of stage times plus
+        # (m - 1) bottlenecks, the stage's p2p sends as above; memory, the worst stage's.
+        stages, times, mems = uneven
+        makespan = sum(times) + (m - 1) * max(times) + 2 * (p - 1) * p2p
+        step = makespan + grads + prof.update_s / p
+        worst = max(range(p), key=lambda s: mems[s])
+        a, b = stages[worst]
+        state = prof.state_bytes * sum(prof.layer_bytes.params[a:b])
+        return Screened(config, step, mems[worst], mems[worst] - state, stages)
+    state = prof.state_bytes / p
+    if p == 1 and c.data > 1:
+        # Without a pipeline the intra-op search may split the state over the data
+        # replicas too (ZeRO / FSDP, what the bound makes it do): at best a replica holds
+        # its share. Counting it whole ruled out every such plan for a model whose state
+        # outgrows a device (6.7B GPT on 16 A100s: ZeRO-3, 18.4 s, against the planner's
+        # 8-stage pipeline, 20.9 s).
+        state /= c.data
+    return Screened(config, step, state + held, held)
+
+
+def _uneven(
+    c: PipelineConfig, prof: Profile, boundary: float, scale: float, limit: float | None
+) -> tuple[tuple[tuple[int, int], ...], list[float], list[float]] | None:
+    """The inter-op split of an unrolled stack (not interleaved) and its stages' times and
+    bytes, when it differs from the even split; ``None`` otherwise (a scanned stack splits
+    evenly: :func:`autopar.lower.stages.cut_stages`)."""
+    p, m = c.pipe, c.microbatches
+    n = len(prof.layer_forward_s)
+    if p < 2 or c.virtual_stages > 1 or prof.scanned or prof.layer_bytes is None or n < p:
+        return None
+    redo = 1.0 if c.remat == "full" else 0.0
+    costs = [
+        (f * (1 + redo) + b) * scale
+        for f, b in zip(prof.layer_forward_s, prof.layer_backward_s, strict=True)
+    ]
+    memory = stage_memory(
+        prof.state_bytes, prof.activation_bytes * scale, prof.layer_bytes, c.schedule, p, m,
+        remat=c.remat == "full", boundary_bytes=boundary,
+    )  # fmt: skip
+    stages = split_stages(costs, p, memory=memory, limit=limit or math.inf)
+    even = tuple((i * n // p, (i + 1) * n // p) for i in range(p))
+    if stages is None or stages == even:
+        return None
+    times = [sum(costs[a:b]) for a, b in stages]
+    return stages, times, [memory(s, a, b) for s, (a, b) in enumerate(stages)]
 
 
 def _inner_options(options: SearchOptions, mesh: Mapping[str, int], m: int, limit: float):
@@ -360,8 +418,9 @@ def profile(
         accumulation=acc,
     )  # fmt: skip
     one = replace(inner, pipeline=PipelinePlan(((0, len(graph.layers)),), "1f1b", m))
-    ev = evaluate_pipeline(graph, one, cluster, acc)
+    ev = evaluate_pipeline(graph, one, cluster, acc, per_layer=True)
     bd = dict(ev.memory_breakdown)
+    scanned = any(layer.kind == "scan" for layer in graph.layers)
     return Profile(
         model=dict(model),
         microbatch_size=batch_size(acc.micro),
@@ -373,7 +432,10 @@ def profile(
         activation_bytes=float(bd.get("activations", 0.0)),
         boundary_bytes=float(ev.extra.get("boundary_bytes", 0.0)),
         layers=len(graph.layers),
-        scanned=any(layer.kind == "scan" for layer in graph.layers),
+        scanned=scanned,
+        layer_forward_s=tuple(ev.extra.get("layer_forward_s", ())),
+        layer_backward_s=tuple(ev.extra.get("layer_backward_s", ())),
+        layer_bytes=None if scanned or not graph.layers else layer_bytes(acc.micro),
     )
 
 
@@ -383,22 +445,25 @@ _UNBOUNDED = float(1 << 62)
 def price_pipeline(
     fn: Callable, args: tuple, graph: Graph, cluster: Any, mesh: Mapping[str, int],
     m: int, schedule: str, v: int, remat: str, inner: Plan | None, acc: Any, limit: float,
+    stages: tuple[tuple[int, int], ...] | None = None,
 ) -> tuple[Plan, Any]:  # fmt: skip
     """One pipeline plan and its price: the runtime's layout (``baselines.pipeline`` with
-    ``inner`` inside the stages), its stages' layouts pinned, priced by
-    :func:`autopar.search.stages.evaluate_pipeline` from the program it lowers to."""
+    ``inner`` inside the stages, the layer ranges ``stages``, or even), its stages'
+    layouts pinned, priced by :func:`autopar.search.stages.evaluate_pipeline` from the
+    program it lowers to."""
     from autopar import baselines
     from autopar.lower.program import pipeline_program
     from autopar.search.stages import evaluate_pipeline, pipeline_activations
 
     plan = baselines.pipeline(
         fn, dict(mesh), *args, microbatches=m, schedule=schedule, virtual_stages=v,
-        inner=inner, stage_remat=remat, accumulation=acc,
+        inner=inner, stage_remat=remat, accumulation=acc, stages=stages,
     )  # fmt: skip
     if remat != "none":
         plan = replace(plan, name=f"{plan.name} (remat {remat})")
     # The stages' layouts pinned, so the program runs what is priced.
-    plan = replace(plan, activations=pipeline_activations(graph, plan, cluster, acc))
+    pins = inner.activations if isinstance(inner, Plan) else ()
+    plan = replace(plan, activations=pipeline_activations(graph, plan, cluster, acc, pins=pins))
     ev = evaluate_pipeline(
         graph, plan, cluster, acc, memory_limit_bytes=limit,
         program=pipeline_program(graph, plan, acc),
@@ -436,12 +501,15 @@ def _next_finalist(
     per: Mapping,
     scale: Mapping,
     smallest_first: bool = False,
+    slower: Mapping[bool, float] | None = None,
 ) -> int | None:
     """Index of the next configuration to price in full: the fastest that fits by the
     screen (its memory times what pricing its group taught, ``scale``, or the most any
     group of its kind, pipelined or not, taught for a group not priced yet; with slack), at most :data:`_PER_SHAPE` per
     stage count and model group; when none fits (or ``smallest_first``), the smallest.
-    ``None`` when every configuration is taken or capped."""
+    ``None`` when every configuration is taken or capped. ``slower``: per kind
+    (pipelined or not), what pricing taught of the screen's step times (priced /
+    screened), applied before comparing them."""
     best_fit: tuple[float, int, int] | None = None
     smallest: tuple[float, int] | None = None
     worst: dict[bool, float] = {}  # per kind (pipelined or not), the largest excess seen
@@ -457,7 +525,8 @@ def _next_finalist(
             # the larger microbatch: its matmuls run nearer peak when priced in full (350M
             # GPT on one A100: 128 microbatches of 8, 33.76 s, was never priced behind
             # 512 of 2 and 256 of 4, 33.90 s).
-            key = (float(f"{s.step_time_s:.9g}"), -s.config.microbatch_size, i)
+            t = s.step_time_s * (slower or {}).get(s.config.pipe > 1, 1.0)
+            key = (float(f"{t:.9g}"), -s.config.microbatch_size, i)
             best_fit = min(best_fit or key, key)
         smallest = min(smallest or (mem, i), (mem, i))
     pick = smallest if smallest_first else best_fit or smallest
@@ -544,7 +613,7 @@ def plan_outer(
         # shapes lose the batch dim's reductions): those are left out.
         smallest = batch_size(acc1.micro)
         screened = [
-            screen(c, profiles[tuple(sorted(c.model.items()))], cluster)
+            screen(c, profiles[tuple(sorted(c.model.items()))], cluster, limit)
             for c in configurations(graph, cluster, options, groups)
             if c.data * c.microbatch_size >= smallest
         ]
@@ -556,20 +625,24 @@ def plan_outer(
         scale: dict[tuple, float] = {}
         # At least _FEWEST finalists; up to FINALISTS while none priced fits, or while
         # the next one's screened step time, times what pricing taught (the mean of
-        # priced / screened over the finalists so far), beats the best that fits.
-        ratios: list[float] = []
+        # priced / screened over the finalists so far of its kind, pipelined or not: a
+        # pipeline prices well over its screen, a step without one about at it, so one
+        # mean for both stopped before any unpipelined plan was priced), beats the best
+        # that fits.
+        ratios: dict[bool, list[float]] = {}
         while len(taken) < FINALISTS + _RESCUES:
             # Past FINALISTS with nothing that fits: the smallest footprints (rescues).
             rescue = len(taken) >= FINALISTS
             if rescue and any(_fits(q, limit) for q in priced):
                 break
-            i = _next_finalist(screened, limit, taken, {} if rescue else per, scale, rescue)
+            slower = {k: sum(r) / len(r) for k, r in ratios.items()}
+            i = _next_finalist(screened, limit, taken, {} if rescue else per, scale, rescue, slower)
             if i is None:
                 break
             s = screened[i]
             fit = [q.candidate.step_time_s for q in priced if _fits(q, limit)]
             if len(taken) >= _FEWEST and fit and ratios:
-                if s.step_time_s * sum(ratios) / len(ratios) >= min(fit):
+                if s.step_time_s * slower.get(s.config.pipe > 1, 1.0) >= min(fit):
                     break
             taken.add(i)
             per[_shape(s.config)] = per.get(_shape(s.config), 0) + 1
@@ -579,7 +652,8 @@ def plan_outer(
             )  # fmt: skip
             priced.append(q)
             if q.candidate.step_time_s is not None and s.step_time_s > 0:
-                ratios.append(q.candidate.step_time_s / s.step_time_s)
+                kind = ratios.setdefault(s.config.pipe > 1, [])
+                kind.append(q.candidate.step_time_s / s.step_time_s)
             got = q.candidate.memory_bytes_per_device
             if got is not None and s.memory_bytes > 0:
                 group = _memory_key(s.config)
@@ -681,7 +755,7 @@ def _price(
         mesh = c.mesh if inner is None else {"pipe": c.pipe, **inner.mesh}
         return price_pipeline(
             fn, args, graph, cluster, mesh, c.microbatches, c.schedule, c.virtual_stages,
-            c.remat, inner, acc, limit,
+            c.remat, inner, acc, limit, stages=screened.stages,
         )  # fmt: skip
 
     if not c.model:

@@ -127,6 +127,41 @@ def node_stages(graph: Graph, stages: Sequence[tuple[int, int]]) -> dict[int, li
     return out
 
 
+def node_layers(graph: Graph) -> dict[int, dict[int, float]]:
+    """Top-level node id -> ``{layer: share}``: :func:`node_stages` with one stage per layer
+    (``graph.layers`` indices), kept sparse. Unlabelled forward work before the first layer
+    (the embedding) goes to layer 0, after the last one (the head, the loss) to the last
+    layer; a scan over layers is shared evenly by its iterations.
+
+    Example:
+        >>> shares = node_layers(graph)
+        >>> sorted({k for d in shares.values() for k in d}) == list(range(len(graph.layers)))
+        True
+    """
+    n_layers = len(graph.layers)
+    scan_share: dict[int, dict[int, float]] = {}
+    for layer in graph.layers:
+        if layer.kind == "scan":
+            for nid in layer.nodes:
+                d = scan_share.setdefault(nid, {})
+                d[layer.index] = d.get(layer.index, 0.0) + 1.0
+    out: dict[int, dict[int, float]] = {}
+    for backward, start, edge in ((False, 0, max), (True, max(0, n_layers - 1), min)):
+        current = start
+        for n in graph.nodes:
+            if (n.phase == "backward") != backward:
+                continue
+            if n.id in scan_share:
+                tot = sum(scan_share[n.id].values())
+                out[n.id] = {k: x / tot for k, x in scan_share[n.id].items()}
+                current = edge(out[n.id])
+                continue
+            if n.layer is not None and 0 <= n.layer < n_layers:
+                current = n.layer
+            out[n.id] = {current: 1.0}
+    return out
+
+
 def _flat_plan(graph: Graph, plan: Plan, pipe_axis: str, *, keep_pins: bool) -> Plan:
     """The stages' plan: the mesh without ``pipe_axis``, the layouts with it struck out,
     one microbatched stage; the plan's activation pins kept (``keep_pins``) or not."""
@@ -158,6 +193,7 @@ def pipeline_activations(
     *,
     time_limit_s: float = 60.0,
     pipe_axis: str = "pipe",
+    pins: Sequence[ActivationConstraint] = (),
 ) -> tuple[ActivationConstraint, ...]:
     """The activation pins that make a pipeline's stages run what was priced.
 
@@ -165,7 +201,9 @@ def pipeline_activations(
     microbatch (``accumulation.micro``) and the sub-mesh without ``pipe`` (the
     completion :func:`evaluate_pipeline` prices a plan without pins by), and the result
     is pinned as for any plan (:func:`autopar.search.evaluate.pinned_activations`), less
-    what the pipeline runtime does not run as traced:
+    what the pipeline runtime does not run as traced (``pins``: the stages' plan's own
+    pins on the sub-mesh, e.g. the intra-op search's, completed from instead of the
+    inputs alone):
 
     * pins on the update's equations: the update runs once, outside the stages, on the
       whole mesh, where a stack's parameters are split over ``pipe``;
@@ -198,6 +236,11 @@ def pipeline_activations(
             "step analysed for them (autopar.lower.split.plan_accumulation)."
         )
     flat = _flat_plan(graph, plan, pipe_axis, keep_pins=False)
+    if pins:
+        # The stages' layouts as the intra-op search already solved them (its plan's pins
+        # on the sub-mesh, for this accumulation): completed from them rather than from
+        # the inputs alone, which re-solves the whole step (a minute on an encoder-decoder).
+        flat = dataclasses.replace(flat, activations=tuple(pins))
     bp, sol = complete_layouts(
         graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation
     )
@@ -231,6 +274,7 @@ def evaluate_pipeline(
     memory_limit_bytes: float | None = None,
     pipe_axis: str = "pipe",
     program: Any = None,
+    per_layer: bool = False,
 ) -> Evaluation:
     """Price a pipeline plan (see the module docstring).
 
@@ -244,6 +288,11 @@ def evaluate_pipeline(
         program: what the lowered pipeline runs
             (:func:`autopar.lower.program.pipeline_program`: ticks, sends, buffers); without
             it the sends are estimated from the boundary activation.
+        per_layer: also report one microbatch's forward and backward seconds per layer
+            (``extra["layer_forward_s"]`` / ``["layer_backward_s"]``, work placed as
+            :func:`node_layers` places it: the embedding with the first layer, the head
+            with the last): what the inter-op split (:mod:`autopar.search.interop`) sums
+            over a stage's layers.
 
     Raises:
         LoadPlanError: the plan's mesh has no ``pipe`` axis of the plan's stage count, or
@@ -287,6 +336,9 @@ def evaluate_pipeline(
     fwd_redo = [0.0] * n  # per chunk, what re-running one microbatch's forward costs
     feeds_backward = _feeds_backward(micro) if any(r != "none" for r in pp.stage_remat) else set()
     upd = flops = 0.0
+    n_layers = len(micro.layers)
+    by_layer = node_layers(micro) if per_layer else {}
+    lay_f, lay_b = [0.0] * n_layers, [0.0] * n_layers
 
     def top(op: Any) -> int:
         return op.scope[0][0] if op.scope else op.node.id
@@ -302,6 +354,10 @@ def evaluate_pipeline(
         share = shares.get(nid, [1.0 / n] * n)
         backward = op.phase == "backward"
         target = bwd if backward else fwd
+        if per_layer:
+            lay = lay_b if backward else lay_f
+            for k, x in by_layer.get(nid, {0: 1.0}).items():
+                lay[k] += per_micro * x
         for s in range(n):
             target[s] += per_micro * share[s]
             if not backward:
@@ -447,6 +503,11 @@ def evaluate_pipeline(
             "p2p_s": sim_p2p,
             "p2p_from": "program" if prog is not None else "estimate",
             "peak_inflight": sim.peak_inflight,
+            **(
+                {"layer_forward_s": tuple(lay_f), "layer_backward_s": tuple(lay_b)}
+                if per_layer
+                else {}
+            ),
             # what a cut between the middle layers would send (the outer loop's screen)
             "boundary_bytes": _boundary_bytes(micro, _halves(len(micro.layers)), bp, choice),
         },
@@ -608,4 +669,4 @@ def _stage_memory(
     return sum(out.values()), out
 
 
-__all__ = ["evaluate_pipeline", "node_stages", "pipeline_activations"]
+__all__ = ["evaluate_pipeline", "node_layers", "node_stages", "pipeline_activations"]
