@@ -11,6 +11,15 @@ previous stage, ``2 s b h`` bytes for a transformer) and the values it reads fro
 stages, and its backward piece first re-runs the part of the forward that makes the rest:
 one more forward of the stage per microbatch, for a stash of one activation.
 
+A stage's layers that run as a scan over a stacked stack (``scan_layers``) are recomputed
+*layer by layer*, as Megatron-LM recomputes: the stage stashes each of its layers' input
+(``2 s b h`` bytes per layer per microbatch in flight), and its backward scan re-runs one
+layer's forward from that input in each iteration, right before that layer's backward,
+so only one layer's residuals (``~34 s b h``) are alive at a time instead of the whole
+stage's. (Recomputing the stage at once would re-create ``L/p`` layers' residuals in
+one backward tick: 54 GiB of the 87 GiB of Megatron-LM's 76.1B configuration.) Unrolled
+layers are recomputed with their stage at once.
+
 :func:`remat_stages` rewrites a :class:`~autopar.lower.stages.StageCut` (pieces, stash)
 and leaves everything else as cut, so the runtime (:mod:`autopar.lower.pipeline`) and
 what it reports (:func:`autopar.lower.pipeline.buffer_slots`) follow without change.
