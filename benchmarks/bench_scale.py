@@ -92,7 +92,7 @@ MEGATRON_CSV = Path(__file__).resolve().parents[2] / "shared/reference/megatron2
 
 @dataclass(frozen=True)
 class ScaleRow:
-    """One section-1 row: a zoo model preset (``family`` ``"gpt"`` or ``"moe"``, with
+    """One section-1 row: a zoo model preset (``family`` ``"gpt"``, ``"moe"`` or ``"t5"``, with
     ``overrides`` of its config), its global batch, the cluster (``cluster`` preset,
     ``nodes``), and the search's time target in seconds. ``uses``: a mesh axis the plan
     must use (the long-context row must split the sequence, the MoE row the experts)."""
@@ -114,6 +114,10 @@ class ScaleRow:
 
     def config(self) -> Any:
         """The model's config (``GPTConfig`` or ``MoEConfig``)."""
+        if self.family == "t5":  # unrolled blocks, as Hugging Face's Flax T5 has them
+            from benchmarks.models.t5 import T5Config
+
+            return T5Config.preset(self.preset, **dict(self.overrides))
         if self.family == "moe":
             from benchmarks.models.moe import MoEConfig as Config
         else:
@@ -141,6 +145,10 @@ ROWS = (
         "gpt3-1.3b-128k", "gpt3-1.3b", 8, 8, True, 300.0,
         cluster="dgx-h100", overrides=LONG_CONTEXT, uses="seq",
     ),
+    # The ~1B encoder-decoder (issue 13: "an encoder-decoder ... plans in under 20 s"), batch
+    # 32 x 2048 tokens on two DGX A100 nodes; and the same with 4 + 4 blocks, to iterate on.
+    ScaleRow("t5-1b", "t5-1b", 32, 2, False, 20.0, family="t5"),
+    ScaleRow("t5-1b-4+4", "t5-1b", 32, 2, False, 20.0, family="t5", overrides=(("layers", 4),)),
     ScaleRow(
         "mixtral-8x7b", "mixtral-8x7b", 256, 8, True, 300.0,
         family="moe", cluster="dgx-h100", uses="expert",
@@ -235,6 +243,8 @@ def scale_row(row: ScaleRow) -> dict[str, Any]:
     cfg = row.config()
     if row.family == "moe":
         from benchmarks.models.moe import make_train_step
+    if row.family == "t5":
+        from benchmarks.models.t5 import make_train_step
     step, args = make_train_step(cfg, row.batch)
     cluster = Cluster.preset(row.cluster, nodes=row.nodes)
     out: dict[str, Any] = {

@@ -422,7 +422,60 @@ resharded with a collective of its own just to split it further. Reported times 
 include it."""
 
 
+# Completions already solved are memoised on the graph (``graph._completed``, dropped with
+# it; a weak-keyed table would be kept alive by the results, which refer to the graph):
+# the search completes the same plan more than once (the planner's polish, then the
+# outer loop's pricing of that plan as one pipeline stage), and each completion rebuilds
+# the whole problem (on a 48-block encoder-decoder, ~30 s a build). Entries:
+# (accumulation, key, time limit, result), the newest last.
+_COMPLETED_PER_GRAPH = 8
+
+
+def _completion_key(plan: Plan, cluster: Any, coarsen: bool, as_propagation: bool) -> str:
+    """What a completion depends on besides the graph and the accumulation: the mesh, the
+    inputs' and pins' layouts, the microbatch count, the cluster and the flags."""
+    m = plan.pipeline.microbatches if plan.pipeline is not None else 1
+    return repr(
+        (
+            tuple(plan.mesh.items()),
+            tuple((r.path, tuple(r.spec)) for r in plan.inputs),
+            plan.activations,
+            m,
+            bool(plan.pipeline is not None and plan.pipeline.num_stages > 1),
+            cluster,
+            coarsen,
+            as_propagation,
+        )
+    )
+
+
 def _complete(
+    graph: Graph,
+    plan: Plan,
+    cluster: Any,
+    time_limit_s: float,
+    coarsen: bool,
+    accumulation: Any = None,
+    as_propagation: bool = True,
+) -> tuple[BuiltProblem, Any]:
+    """:func:`_solve_completion`, memoised per graph: an equal plan completed again (by
+    the same accumulation, under a time limit no longer than the one solved, or solved
+    to optimality) returns the first result."""
+    memo = graph.__dict__.setdefault("_completed", [])
+    key = _completion_key(plan, cluster, coarsen, as_propagation)
+    for acc, k, limit, result in memo:
+        if acc is accumulation and k == key:
+            if result[1].status == "optimal" or limit >= time_limit_s:
+                return result
+    result = _solve_completion(
+        graph, plan, cluster, time_limit_s, coarsen, accumulation, as_propagation
+    )
+    memo.append((accumulation, key, time_limit_s, result))
+    del memo[:-_COMPLETED_PER_GRAPH]
+    return result
+
+
+def _solve_completion(
     graph: Graph,
     plan: Plan,
     cluster: Any,

@@ -146,3 +146,48 @@ def test_plan_graph_picks_the_same_plan_without_the_lp_proof(mlp_graph, monkeypa
     assert fast.predicted.step_time_s == pytest.approx(exact.predicted.step_time_s, rel=1e-6)
     assert fast.layers == exact.layers
     assert [c.label for c in fast.shortlist] == [c.label for c in exact.shortlist]
+
+
+def test_an_equal_completion_is_solved_once(mlp_graph, monkeypatch):
+    # The search completes one plan more than once (the planner's polish, the outer loop
+    # pricing it as a stage, a user's evaluate): the second time is the first's result,
+    # equal to a fresh solve; another plan, cluster or microbatching is solved anew.
+    from autopar import baselines
+    from autopar.search import evaluate
+
+    cluster = Cluster.preset("dgx-a100-80gb")
+    plan = plan_graph(mlp_graph, cluster, SearchOptions(mesh={"data": 2, "tensor": 4}))
+    solves = []
+    real = evaluate._solve_completion
+    monkeypatch.setattr(
+        evaluate, "_solve_completion", lambda *a, **k: solves.append(a[1]) or real(*a, **k)
+    )
+    ev = evaluate.evaluate_plan(mlp_graph, plan, cluster)  # the polish completed it
+    assert solves == []
+    assert ev.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    dp = baselines.data_parallel(mlp_graph, {"data": 8})
+    first = evaluate.evaluate_plan(mlp_graph, dp, cluster)
+    again = evaluate.evaluate_plan(mlp_graph, dp, cluster)
+    assert len(solves) == 1 and again.step_time_s == first.step_time_s
+    fresh = evaluate.decode(*_fresh(real, mlp_graph, dp, cluster))
+    assert first.step_time_s == pytest.approx(fresh.step_time_s, rel=1e-9)
+    other = Cluster.preset("dgx-h100")
+    assert evaluate.evaluate_plan(mlp_graph, dp, other).step_time_s < first.step_time_s
+    assert len(solves) == 2
+
+
+def _fresh(real, graph, plan, cluster):
+    bp, sol = real(graph, plan, cluster, 60.0, True)
+    return bp, sol.choice
+
+
+def test_flattening_is_memoised_per_graph_and_constraints(mlp_graph):
+    from autopar.search.build.flatten import flatten
+
+    assert flatten(mlp_graph) is flatten(mlp_graph)
+    top = next(n.id for n in mlp_graph.nodes if n.phase == "backward")
+    twice = flatten(mlp_graph, repeat={top: 2.0})
+    assert twice is not flatten(mlp_graph) and twice is flatten(mlp_graph, repeat={top: 2.0})
+    # the repeat shows: the node's op runs twice per step there, once here
+    op = flatten(mlp_graph).node_ops[((), top)]
+    assert flatten(mlp_graph).ops[op].weight == 1.0 and twice.ops[op].weight == 2.0
