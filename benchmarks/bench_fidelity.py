@@ -6,7 +6,7 @@ hand-made), lowered for 8 simulated CPU devices with the state donated (what the
 model assumes), run for a few steps against single-device ``jax.jit``, and checked by
 :func:`autopar.verify.verify`: every predicted collective kind emitted, bytes per kind
 within 10%, nothing unplanned above 1% of the step's collective bytes, peak memory within
-20% of ``memory_analysis()``.
+10% of ``memory_analysis()`` (``MEMORY_BOUND``, issue 14).
 
 Columns: ``work/dev`` the share of the step's FLOPs each device does (1/8: all split 8
 ways; 1/1.0: the search replicated the step); ``loss err`` is the largest relative loss difference over the steps (bound 1e-5);
@@ -38,6 +38,7 @@ SHAPES = ((8,), (2, 4), (4, 2), (2, 2, 2))
 STEPS = 3
 BATCH = 64  # large enough that the search splits the work (at 8 it replicates tiny models)
 LOSS_RTOL = 1e-5
+MEMORY_BOUND = 0.10  # issue 14's acceptance: peak memory within 10% of memory_analysis()
 
 
 def mesh_for(model: str, shape: tuple[int, ...]) -> dict[str, int]:
@@ -120,7 +121,7 @@ def run_case(model: str, shape: tuple[int, ...], full: bool = False) -> dict[str
     row["mem_xla"] = None if m is None else m.compiled_bytes
     row["mem_err"] = None if m is None else m.error
     problems = sorted({r.status for r in report.rows if not r.ok})
-    if m is not None and not m.ok:
+    if m is not None and (not m.ok or (m.error is not None and abs(m.error) > MEMORY_BOUND)):
         problems.append("memory")
     if row["loss_err"] > LOSS_RTOL:
         problems.append("loss")
@@ -179,7 +180,7 @@ def main(argv: list[str]) -> int:
             fmt(r.get("unplanned"), ".1%"),
             "-" if r.get("mem_pred") is None else f"{r['mem_pred'] / 2**20:.2f} MiB",
             "-" if r.get("mem_xla") is None else f"{r['mem_xla'] / 2**20:.2f} MiB",
-            fmt(r.get("mem_err"), "+.0%"),
+            fmt(r.get("mem_err"), "+.1%"),
             r["status"],
         )
         print(r, flush=True)
