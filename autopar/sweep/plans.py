@@ -234,12 +234,15 @@ def _priced(
     return row
 
 
-def _one_stage(ctx: PointContext, plan: Any, m: int, remat: str) -> Any:
+def _one_stage(ctx: PointContext, plan: Any, m: int, remat: str, schedule: str = "gpipe") -> Any:
+    """``plan`` with its batch in ``m`` microbatches on one stage (gradient accumulation;
+    the planner's own accumulated plans say ``"gpipe"``; one stage run as ``"1f1b"``
+    holds one microbatch's activations at a time, as gradient accumulation does)."""
     from autopar.plan import PipelinePlan
 
     stage_remat = (remat,) if remat != "none" else ()
     return replace(
-        plan, pipeline=PipelinePlan(((0, ctx.layers),), "gpipe", m, stage_remat=stage_remat)
+        plan, pipeline=PipelinePlan(((0, ctx.layers),), schedule, m, stage_remat=stage_remat)
     )
 
 
@@ -434,7 +437,7 @@ def _megatron_3d(ctx: PointContext, t0: float) -> tuple[PlanRow, Any]:
         note = "; ".join(x for x in (note, mbs_note) if x)
         inner = baselines.megatron(ctx.graph, {"data": d, "tensor": t})
         if p == 1:
-            full = _one_stage(ctx, inner, m, "full")
+            full = _one_stage(ctx, inner, m, "full", "1f1b")
             ev = evaluate_pipeline(ctx.graph, full, ctx.cluster, acc, memory_limit_bytes=ctx.limit)
             sched = "accumulate"
         else:
@@ -462,8 +465,8 @@ def evaluate_baseline(name: str, ctx: PointContext) -> tuple[PlanRow, Any]:
     cannot be formed). An error the library raises becomes a row with status ``error``.
 
     Example:
-        >>> row, plan = evaluate_baseline("data_parallel", ctx)
-        >>> row.mesh
+        >>> row, plan = evaluate_baseline("data_parallel", ctx)  # doctest: +SKIP
+        >>> row.mesh  # doctest: +SKIP
         {'data': 8}
     """
     t0 = time.perf_counter()

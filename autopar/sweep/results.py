@@ -9,7 +9,7 @@ against the bound and whether it fits, the search (or pricing) time, autopar's s
 the plan, and for compiled points what ``verify`` measured.
 
 Example:
-    >>> store = ResultStore("sweep-smoke/results.json", suite)
+    >>> store = ResultStore("sweep-smoke/results.json", suite)  # doctest: +SKIP
     >>> write_csv(store, "sweep-smoke/results.csv")  # doctest: +SKIP
 """
 
@@ -75,6 +75,7 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide results from the group
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

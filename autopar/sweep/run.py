@@ -1,8 +1,8 @@
 """Run a sweep: every point of a suite, autopar's plan and each baseline, resumable.
 
 Example:
-    >>> store = run_sweep("benchmarks/suites/smoke.toml", "sweep-smoke")
-    >>> sorted({r["plan"] for r in store.records()[0]["rows"]})[:2]
+    >>> store = run_sweep("benchmarks/suites/smoke.toml", "sweep-smoke")  # doctest: +SKIP
+    >>> sorted({r["plan"] for r in store.records()[0]["rows"]})[:2]  # doctest: +SKIP
     ['autopar', 'data_parallel']
 """
 

@@ -89,8 +89,8 @@ class Point:
         """The results key: the name and a digest of everything that changes the result.
 
         Example:
-            >>> Point("a", "gpt", "tiny", 8, 8).key()
-            'a-...'  # doctest: +SKIP
+            >>> Point("a", "gpt", "tiny", 8, 8).key().startswith("a-")
+            True
         """
         spec = {
             "model": self.model,
