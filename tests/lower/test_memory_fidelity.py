@@ -44,3 +44,29 @@ def test_predicted_peak_matches_compiled(make) -> None:
         f"{row.compiled_bytes / 2**20:.2f} MiB (temp {row.temp_bytes / 2**20:.2f} MiB): "
         f"{row.error:+.1%}; breakdown {plan.predicted.memory_breakdown}"
     )
+
+
+def test_gradient_reductions_are_one_combined_out_of_place_buffer() -> None:
+    """Data parallel: every gradient is all-reduced whole over ``data``; XLA combines the
+    reductions into one, run when the last gradient is ready, whose result sits beside
+    its operands: the extra bytes are the parameters' bytes, at one backward moment."""
+    import jax
+    import numpy as np
+
+    from autopar.search.build.memory import reduction_buffers
+    from autopar.search.evaluate import complete_layouts
+    from benchmarks.models.mlp import MLPConfig, make_train_step
+
+    step, (state, batch) = make_train_step(MLPConfig(d_in=16, hidden=64, d_out=8, layers=2), 32)
+    graph = trace(step, state, batch)
+    bp, sol = complete_layouts(
+        graph, baselines.data_parallel(graph, {"data": 8}), Cluster.preset("dgx-a100-80gb")
+    )
+    extra = reduction_buffers(bp, sol.choice)
+    param_bytes = sum(
+        int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state["params"])
+    )
+    big = [t for t, b in enumerate(extra) if b > 4]  # beyond the loss's scalar mean
+    assert len(big) == 1
+    assert extra[big[0]] == param_bytes
+    assert bp.graph.nodes[big[0]].phase == "backward"
