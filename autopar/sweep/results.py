@@ -60,7 +60,16 @@ CSV_COLUMNS: tuple[str, ...] = (
 )
 """The CSV's columns, in order (one row per point and plan)."""
 
-__all__ = ["CSV_COLUMNS", "ResultStore", "atomic_write", "derived", "plot", "write_csv"]
+__all__ = [
+    "CSV_COLUMNS",
+    "ResultStore",
+    "atomic_write",
+    "derived",
+    "losses",
+    "plot",
+    "rows",
+    "write_csv",
+]
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> None:
@@ -104,7 +113,8 @@ class ResultStore:
 
     def save(self) -> None:
         data = {"schema": SCHEMA, "suite": self.suite.name, "points": self.points}
-        atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        # Not sorted: a mesh mapping is ordered (outer -> inner axes).
+        atomic_write(self.path, json.dumps(data, indent=1) + "\n")
 
     def records(self) -> list[dict[str, Any]]:
         """The suite's points' records in suite order (points not run yet left out)."""
@@ -142,7 +152,9 @@ def derived(record: Mapping[str, Any], row: Mapping[str, Any]) -> dict[str, Any]
         "memory_gib": mem / GIB if mem is not None else None,
         "limit_gib": limit / GIB,
         "search_s": row.get("search_s"),
-        "autopar_speedup": step / auto_step if step and auto_step else None,
+        "autopar_speedup": step / auto_step
+        if step and auto_step and row["status"] == "ok"
+        else None,
         "compiled_collective_bytes": comp.get("hlo_collective_bytes"),
         "predicted_collective_bytes": comp.get("predicted_collective_bytes"),
         "compiled_memory_gib": _gib(comp.get("compiled_memory_bytes")),
@@ -160,6 +172,27 @@ def _gib(x: float | None) -> float | None:
 def rows(store: ResultStore) -> list[dict[str, Any]]:
     """Every CSV row of the store, in suite then plan order."""
     return [derived(rec, r) for rec in store.records() for r in rec["rows"]]
+
+
+def losses(store: ResultStore) -> list[tuple[str, str, float]]:
+    """``(point, baseline, autopar's step time over the baseline's)`` wherever a baseline
+    that fits is faster than autopar's plan (or autopar found none): the sweep's
+    acceptance is that this is empty.
+
+    Example:
+        >>> losses(store)  # doctest: +SKIP
+        []
+    """
+    out = []
+    for rec in store.records():
+        auto = next(r for r in rec["rows"] if r["plan"] == "autopar")
+        for r in rec["rows"]:
+            if r["plan"] == "autopar" or r["status"] != "ok":
+                continue
+            if auto["status"] != "ok" or auto["step_time_s"] > r["step_time_s"] * (1 + 1e-9):
+                ratio = auto["step_time_s"] / r["step_time_s"] if auto["step_time_s"] else 0.0
+                out.append((rec["point"]["name"], r["plan"], ratio))
+    return out
 
 
 def write_csv(store: ResultStore, path: str | Path) -> None:

@@ -75,6 +75,7 @@ def test_smoke_suite_outputs(smoke_out, capsys):
     assert main(["sweep", str(SMOKE), "-o", str(smoke_out), "--points", "tiny-2"]) == 0
     out = capsys.readouterr().out
     assert all(p in out for p in PLANS)
+    assert "autopar >= every baseline that fits, at every point" in out
 
 
 def test_baseline_memory_by_hand(smoke_out):
@@ -206,3 +207,14 @@ def test_smoke_suite_compiled_point(tmp_path):
     assert float(dp["compiled_collective_bytes"]) == float(dp["predicted_collective_bytes"]) > 0
     assert float(dp["compiled_memory_gib"]) > 0
     assert rows[("tiny-2", "data_parallel")]["compiled_collective_bytes"] == ""
+
+
+def test_store_keeps_mesh_order(tmp_path):
+    """A mesh is ordered outer -> inner: the store must not sort its axes."""
+    from autopar.sweep import ResultStore
+
+    suite = load_suite(SMOKE)
+    store = ResultStore(tmp_path / "results.json", suite)
+    store.put("k", {"rows": [{"mesh": {"pipe": 2, "data": 4, "tensor": 8}}]})
+    again = ResultStore(tmp_path / "results.json", suite)
+    assert list(again.points["k"]["rows"][0]["mesh"]) == ["pipe", "data", "tensor"]
