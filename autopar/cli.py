@@ -166,7 +166,7 @@ def _cmd_calibrate(a: argparse.Namespace) -> int:
 def _cmd_sweep(a: argparse.Namespace) -> int:
     """Run a sweep suite; print each point's plans (issue 15 item 2)."""
     from autopar.sweep import load_suite, run_sweep
-    from autopar.sweep.results import rows
+    from autopar.sweep.results import losses, rows
 
     suite = load_suite(a.suite)
     out = a.out or f"sweep-{suite.name}"
@@ -179,6 +179,12 @@ def _cmd_sweep(a: argparse.Namespace) -> int:
         gib = f"{r['memory_gib']:.1f}" if r["memory_gib"] is not None else "-"
         print(f"{r['point']:<12} {r['plan']:<14} {r['status']:<13} {r['mesh'][:30]:<30} "
               f"{tf:>8} {mfu:>6} {gib:>7} {r['search_s'] or 0:>9.1f}")  # fmt: skip
+    lost = losses(store)
+    if lost:
+        for point, plan, ratio in lost:
+            print(f"autopar loses to {plan} at {point}: {ratio:.4f}x its step time")
+    else:
+        print("autopar >= every baseline that fits, at every point")
     print(f"wrote {out}/results.json, {out}/results.csv, {out}/throughput.png")
     return 0
 
