@@ -12,8 +12,8 @@ Each row is priced by the PLANNER's evaluation of the traced zoo GPT
 (``benchmarks.models.gpt``, scanned layers unless the stages split them unevenly, as
 BLOOM's 70 layers over 12 stages; abstract inputs; the row's vocabulary,
 sequence, width, depth and heads) under the run's configuration, fixed: the mesh (pipe,
-data, tensor), the schedule (interleaved 1F1B with 2 chunks when the layers per stage are
-even, else 1F1B, as ``bench_scale --megatron``), the microbatch size (the table's, else 1),
+data, tensor), the schedule (interleaved 1F1B, as the papers ran, with the closed form's
+v: :meth:`PublishedRun.schedule`), the microbatch size (the table's, else 1),
 full activation recomputation, and the ZeRO stage (``autopar.baselines.zero`` for ZeRO-1
 and ZeRO-3, ``baselines.megatron`` otherwise). The path is the one ``bench_scale
 --megatron`` uses for "the paper's configuration by the same model":
@@ -109,18 +109,20 @@ class PublishedRun:
         return self.global_batch // (self.data * self.microbatch)
 
     def schedule(self) -> tuple[str, int]:
-        """``(schedule, chunks per device)``: interleaved 1F1B with 2 chunks when the
-        layers per stage are even (as ``bench_scale.megatron_config``), else 1F1B.
+        """``(schedule, chunks per device)``: the papers' interleaved 1F1B (the reference
+        README: every Table 1 row; Table 2's PTD-P) with v = the smallest divisor >= 2 of
+        the layers per stage (``cost_models.megatron.default_chunks``, the closed form's
+        rule: the paper does not give v); 1F1B where that does not exist (no pipeline,
+        layers not split evenly, microbatches not a multiple of the stages).
 
         Example:
-            >>> run = published_runs(["t1-39.1b"])[0]
-            >>> run.schedule()
-            ('interleaved-1f1b', 2)
+            >>> [r.schedule() for r in published_runs(["t1-39.1b", "t1-529.6b"])]
+            [('interleaved-1f1b', 2), ('interleaved-1f1b', 3)]
         """
-        p = self.pipeline
-        if p > 1 and self.layers % p == 0 and (self.layers // p) % 2 == 0:
-            return "interleaved-1f1b", 2
-        return "1f1b", 1
+        from cost_models.megatron import default_chunks
+
+        v = default_chunks(self.layers, self.pipeline, self.microbatches)
+        return ("interleaved-1f1b", v) if v > 1 else ("1f1b", 1)
 
 
 def _t1_shape(params_b: float) -> tuple[int, int, int]:

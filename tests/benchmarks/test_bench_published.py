@@ -27,8 +27,11 @@ def test_runs_read_from_the_copied_reference_csvs():
     assert (r.tensor, r.pipeline, r.data, r.microbatches) == (8, 2, 32, 48)
     assert (r.layers, r.hidden, r.heads) == (48, 8192, 64)
     assert r.schedule() == ("interleaved-1f1b", 2)
-    # 530B: 105 layers / 35 stages = 3 per stage, odd -> plain 1F1B
-    assert by["t1-529.6b"].schedule() == ("1f1b", 1)
+    # 530B: 105 layers / 35 stages = 3 per stage -> v = 3 (280 microbatches, 8 per stage)
+    assert by["t1-529.6b"].schedule() == ("interleaved-1f1b", 3)
+    # 76.1B: 60 / 4 = 15 per stage -> v = 3; no pipeline -> 1F1B (one stage)
+    assert by["t1-76.1b"].schedule() == ("interleaved-1f1b", 3)
+    assert by["t1-1.7b"].schedule() == ("1f1b", 1)
     # Table 2, ZeRO-3 175B on 1536 GPUs: microbatch 1, batch 1536 -> one microbatch each
     z = by["t2-zero3-175b-x1536"]
     assert (z.data, z.microbatch, z.microbatches, z.zero_stage) == (1536, 1, 1, 3)
