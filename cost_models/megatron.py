@@ -517,7 +517,7 @@ def table1(
 
     Example:
         >>> [round(r.error, 2) for r in table1(labels=["1.7B"])]
-        [0.0]
+        [0.01]
     """
     rows = []
     for params_b, a, h, l, t, p, gpus, B, tf in TABLE1:  # noqa: E741

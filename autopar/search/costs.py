@@ -8,7 +8,7 @@ Example:
     >>> ctx = CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 2, "tensor": 4})
     >>> c = ctx.collective("all-reduce", 2**20, ("tensor",))
     >>> c.kind, c.axes, f"{c.time_s * 1e6:.1f} us"
-    ('all-reduce', ('tensor',), '27.2 us')
+    ('all-reduce', ('tensor',), '32.8 us')
 """
 
 from __future__ import annotations
