@@ -46,6 +46,7 @@ from autopar.sweep.suite import Point, Suite
 
 __all__ = ["PlanRow", "PointContext", "evaluate_baseline", "plan_autopar"]
 
+_FIXED_MEMORY = ("params", "grads", "optimizer", "inputs")  # memory_breakdown's state parts
 _STATE_SLACK = 0.9  # a stage count is tried first when its state is under this of the bound
 
 
@@ -280,8 +281,10 @@ def _fewest_microbatches(
     full, ev = price(m)
     if not ev.fits:
         bd = dict(ev.memory_breakdown)
-        act = float(bd.get("activations", 0.0))
-        rest = ev.memory_bytes_per_device - act
+        # What stays whatever the microbatch count: the state and the inputs; the rest
+        # (activations and what scales with them, e.g. the allocator's overhead) shrinks.
+        rest = sum(float(bd.get(k, 0.0)) for k in _FIXED_MEMORY)
+        act = ev.memory_bytes_per_device - rest
         if rest >= ctx.limit or act <= 0:
             row = _priced(name, ctx, full, ev, m, "-", "none", t0)
             return replace(
