@@ -120,8 +120,12 @@ def role_names(bp: BuiltProblem, choice: Sequence[int], allowed: Sequence[str]) 
     role = {a: next((r for r in order[:-1] if r in usage[a]), "none") for a in mesh}
     taken: set[str] = set()
     out: dict[str, str] = {}
-    # Axes with a role pick their names first; unused axes take what is left.
-    for a in sorted(mesh, key=lambda a: order.index(role[a])):
+    # Axes with a role pick their names first; unused axes take what is left. Of two
+    # axes with one role, the one doing only that picks first: an axis splitting the
+    # batch alone is ``data`` before one that also splits weights (GPT-3 175B on 1024
+    # GPUs read "tensor=128" for its 128-way batch split beside "data=8" for its
+    # row-parallel weights).
+    for a in sorted(mesh, key=lambda a: (order.index(role[a]), len(usage[a]))):
         choices = [n for n in pools[role[a]] + list(allowed) if n in allowed and n not in taken]
         name = choices[0] if choices else a
         taken.add(name)
