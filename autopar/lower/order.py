@@ -12,8 +12,13 @@ gathered copy then lives from just before its use to just after, as planned.
 :func:`late_gathers` finds, for every such operand constraint, the operand to tie it
 to, and which later readers of the same gathered value reuse it.
 
-Example:
-    >>> late = late_gathers(graph, plan.activations, [r.spec for r in plan.inputs], plan.mesh)
+Example: the plan's layer-1 weight is split over ``tensor``; computing layer 1's matmul
+(node 6) with that weight whole (an operand constraint) gathers it there.
+
+    >>> from autopar.plan import ActivationConstraint
+    >>> whole = ActivationConstraint(node=6, output=0, spec=(None, None), operand=1)
+    >>> specs = [r.spec for r in plan.inputs]
+    >>> late = late_gathers(graph, plan.activations + (whole,), specs, plan.mesh)
     >>> late.ties  # layer 1's matmul (node 6) gathers its weight (operand 1) after operand 0
     {((), 6): {1: 0}}
     >>> graph.nodes[6].primitive, graph.nodes[6].layer
