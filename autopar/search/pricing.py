@@ -63,7 +63,7 @@ def class_weight(cls: str, overlap_efficiency: float) -> float:
 
 
 _MAX_GRADIENT_DIMS = 6
-"""Parameters of more (non-unit) dimensions match their gradients by exact shape only
+"""Parameters of more dimensions match their gradients by exact shape only
 (the set partitions of 7 dimensions are 877; no model here has such a parameter)."""
 
 
@@ -81,8 +81,10 @@ def _partitions(dims: tuple[int, ...]) -> list[list[list[int]]]:
 
 
 def _layout_free(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``shape`` with its unit dimensions dropped, sorted: what a transpose keeps."""
-    return tuple(sorted(d for d in shape if d != 1))
+    """``shape`` sorted: what a transpose keeps. Unit dimensions count: an activation
+    gradient ``[1, S, H]`` of a batch of one (a pipeline's microbatch) is no gradient of
+    a ``[S, H]`` position embedding."""
+    return tuple(sorted(shape))
 
 
 @lru_cache(maxsize=64)
@@ -93,12 +95,11 @@ def gradient_shapes(param_shapes: frozenset[tuple[int, ...]]) -> frozenset[tuple
     kernel's gradient computed as ``[d, h*k]`` and reshaped).
 
     Example:
-        >>> sorted(gradient_shapes(frozenset({(8, 1, 64)})))
+        >>> sorted(gradient_shapes(frozenset({(8, 64)})))
         [(8, 64), (512,)]
     """
     out: set[tuple[int, ...]] = set()
-    for shape in param_shapes:
-        dims = tuple(d for d in shape if d != 1)
+    for dims in param_shapes:
         if len(dims) > _MAX_GRADIENT_DIMS:
             out.add(_layout_free(dims))
             continue

@@ -6,9 +6,16 @@ gradient reduction; a plan whose state is stored whole lists no ``fsdp_gather``.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import autopar
 from autopar.plan import spec_axes
-from autopar.search.pricing import class_weight, collective_class, gradient_shapes
+from autopar.search.pricing import (
+    class_weight,
+    collective_class,
+    gradient_shapes,
+    is_gradient_op,
+)
 from autopar.search.sharding import Collective
 from benchmarks.models import mlp
 
@@ -95,4 +102,19 @@ def test_gradient_shapes_cover_transposes_and_merges():
     keys = gradient_shapes(frozenset({(4, 8, 16)}))
     # Set partitions of {4, 8, 16}: 5, each a multiset of products.
     assert keys == {(4, 8, 16), (16, 32), (8, 64), (4, 128), (512,)}
-    assert gradient_shapes(frozenset({(1, 8)})) == {(8,)}
+    assert gradient_shapes(frozenset({(1, 8)})) == {(1, 8), (8,)}
+
+
+def test_a_batch_of_one_activation_gradient_is_no_weight_gradient():
+    # A pipeline microbatch of one example: dx [1, S, H] beside a [S, H] position
+    # embedding. Dropping unit dims would call its partial sums gradient reductions.
+    def op(shape):
+        return SimpleNamespace(
+            phase="backward", node=SimpleNamespace(out_tensors=(SimpleNamespace(shape=shape),))
+        )
+
+    params = frozenset({(2048, 64), (64, 256)})
+    assert not is_gradient_op(op((1, 2048, 64)), params)
+    assert is_gradient_op(op((64, 2048)), params)  # wpe's gradient, transposed
+    assert is_gradient_op(op((256, 64)), params)
+    assert not is_gradient_op(op((2048, 64, 1)), frozenset({(64, 256)}))
