@@ -17,10 +17,13 @@ inputs); a forward value it rebuilds is live in the forward pass only while the 
 reads it and in the backward pass only around its recompute (:func:`_apply_remat`), so
 :func:`peak` and the ILP's constraints reflect the policy. ``"none"`` keeps what XLA keeps.
 
-Two terms ride on the timeline at :func:`peak` and in the ILP's constraints: a reduction's
-result beside its operand (:func:`reduction_buffers`: XLA's all-reduce is out of place and
-its combiner runs every gradient reduction at once, when the last gradient is ready), and
-XLA's heap overhead in a step with a loop (:data:`LOOP_HEAP_OVERHEAD`, fitted).
+:func:`peak` also counts a reduction's result beside its operand
+(:func:`reduction_buffers`: XLA's all-reduce is out of place and its combiner runs every
+gradient reduction at once, when the last gradient is ready). Not modelled: how XLA's
+heap packs the buffers. In a program with loops (or conditionals) the buffer assignment
+reserves 15-40% more than the most bytes ever live at once (measured: ``--xla_dump_to``
+live ranges against ``memory_analysis``'s temp, bench_verify's scanned GPT and MoE),
+while in the loop-free Llama-like and GPT-Neo-like steps it reserves the same.
 
 This is the planner's one memory model: ``plan.predicted.memory_bytes_per_device``, the
 ILP's memory constraints and the activation bytes per layer under each remat policy
@@ -303,21 +306,19 @@ def memory_constraint(bp: BuiltProblem, moment: int) -> MemoryConstraint:
     """The linear memory constraint of one moment (persistent + live values)."""
     constant = 0.0
     terms: dict[int, list[float]] = {}
-    live = bp.timeline.live_at(moment) if len(bp.timeline) else []
-    scale = 1.0 + heap_overhead(bp.graph)
-    values = [(v, 1.0) for v in bp.persistent] + [(v, scale) for v in live]
+    values = list(bp.persistent) + (bp.timeline.live_at(moment) if len(bp.timeline) else [])
     cache: dict[tuple, list[float]] = {}
     mesh = bp.ctx.mesh
-    for v, k in values:
+    for v in values:
         if v.ref is None or v.ref.op not in bp.op_group:
             continue  # constants: see value_bytes
         g, pos = bp.op_group[v.ref.op]
         group = bp.groups[g]
-        key = (id(group.strategies), pos, v.ref.port, v.ref.delta, v.tensor.nbytes, k)
+        key = (id(group.strategies), pos, v.ref.port, v.ref.delta, v.tensor.nbytes)
         per = cache.get(key)
         if per is None:
             per = cache[key] = [
-                k * v.tensor.nbytes / shards(pad(st[pos].outs[v.ref.port], v.ref.delta), mesh)
+                v.tensor.nbytes / shards(pad(st[pos].outs[v.ref.port], v.ref.delta), mesh)
                 for st in group.strategies
             ]
         vec = terms.get(g)
@@ -376,32 +377,6 @@ def copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
         running += d
         out.append(running)
     return out
-
-
-LOOP_HEAP_OVERHEAD = 0.25
-"""XLA's heap overhead on the temporaries of a step with a loop (a scan over layers), as a
-fraction of their live bytes: the buffer assignment of a program with a ``while`` loop
-reserves more than the most bytes ever live at once (in a loop-free step it reserves the
-same). Measured on CPU (``--xla_dump_to`` live ranges against the preallocated temp of
-``memory_analysis``, state donated): reserved / most live = 1.38 (bench_verify
-``gpt-zero3-8``), 1.39 (``gpt-zero1-8``), 1.26 (``gpt-megatron-2x4``), 1.22
-(``moe-ep-2x4``); 1.00 for the loop-free Llama-like and GPT-Neo-like steps
-(``tests/lower/_hf_like.py``). Fitted: 0.25 minimises the worst predicted-vs-compiled
-error over bench_verify's five scanned cases (gpt-dp-8, gpt-zero1-8, gpt-zero3-8,
-gpt-megatron-2x4, moe-ep-2x4); the measured ratios themselves lie at 0.22-0.39. The
-cause (likely how XLA places the loop's carried buffers) is not modelled; GPU buffer
-assignment uses the same heap simulator but this was not measured there."""
-
-
-def heap_overhead(graph: Graph) -> float:
-    """:data:`LOOP_HEAP_OVERHEAD` when ``graph``'s top level runs a loop, else 0.
-
-    Example:
-        >>> heap_overhead(graph_without_loops)  # doctest: +SKIP
-        0.0
-    """
-    loops = any(n.primitive == "scan" and scan_ok(n) for n in graph.nodes)
-    return LOOP_HEAP_OVERHEAD if loops else 0.0
 
 
 REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
@@ -484,10 +459,7 @@ def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str,
         return sum(base.values()), 0, base
     extra = copies(bp, choice)
     reduced = reduction_buffers(bp, choice)
-    overhead = heap_overhead(bp.graph)
-    totals = [
-        (a + b + c) * (1.0 + overhead) for a, b, c in zip(totals, extra, reduced, strict=True)
-    ]
+    totals = [a + b + c for a, b, c in zip(totals, extra, reduced, strict=True)]
     t = max(range(len(totals)), key=totals.__getitem__)
     bd = dict(base)
     for v in bp.timeline.live_at(t):
@@ -496,18 +468,14 @@ def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str,
         bd["resharded"] = extra[t]
     if reduced[t]:
         bd["reduction_buffers"] = reduced[t]
-    if overhead:
-        bd["heap_overhead"] = totals[t] * overhead / (1.0 + overhead)
     return sum(base.values()) + totals[t], t, bd
 
 
 __all__ = [
     "ROLE_CATEGORY",
     "Timeline",
-    "LOOP_HEAP_OVERHEAD",
     "REDUCTION_KINDS",
     "copies",
-    "heap_overhead",
     "liveness",
     "memory_constraint",
     "peak",
