@@ -130,7 +130,9 @@ def test_gpt_lower_exposes_hlo_and_memory():
         cache=False,
     )
     plan = f.plan_for(state, batch)
-    assert plan.input("batch/tokens").spec == ("data", None)
+    # The batch is split (both axes are NVLink inside one node: which one carries it is
+    # the solver's choice; with NCCL's LL latencies 4 ways over "tensor" wins).
+    assert plan.input("batch/tokens").spec[0] in ("data", "tensor", ("data", "tensor"))
     lowered = f.lower(state, batch)
     hlo = lowered.hlo_text()
     assert "sharding" in hlo and "all-reduce" in hlo  # data-parallel gradients are reduced
