@@ -218,3 +218,28 @@ def test_store_keeps_mesh_order(tmp_path):
     store.put("k", {"rows": [{"mesh": {"pipe": 2, "data": 4, "tensor": 8}}]})
     again = ResultStore(tmp_path / "results.json", suite)
     assert list(again.points["k"]["rows"][0]["mesh"]) == ["pipe", "data", "tensor"]
+
+
+def test_losses_names_a_faster_fitting_baseline(tmp_path):
+    """The acceptance check: a baseline that fits and is faster is a loss; one that is
+    faster but does not fit is not."""
+    from autopar.sweep import ResultStore
+    from autopar.sweep.results import losses
+
+    suite = load_suite(SMOKE)
+    store = ResultStore(tmp_path / "results.json", suite)
+
+    def row(plan, status, step):
+        return {"plan": plan, "status": status, "step_time_s": step}
+
+    rows = [
+        row("autopar", "ok", 2.0),
+        row("zero3", "ok", 1.0),
+        row("data_parallel", "does_not_fit", 0.5),
+    ]
+    store.put(suite.points[0].key(), {"point": {"name": "tiny-8"}, "rows": rows})
+    store.put(
+        suite.points[1].key(),
+        {"point": {"name": "tiny-2"}, "rows": [row("autopar", "ok", 1.0), row("zero3", "ok", 1.0)]},
+    )
+    assert losses(store) == [("tiny-8", "zero3", 2.0)]
