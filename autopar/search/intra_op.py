@@ -9,7 +9,7 @@ sub-mesh) candidate.
 Example:
     >>> r = solve_mesh(graph, cluster, {"data": 2, "tensor": 4}, SearchOptions(), 80e9)
     >>> r.solution.status, f"{r.evaluation.step_time_s * 1e6:.1f} us", r.skipped
-    ('optimal', '17.3 us', '')
+    ('optimal', '16.7 us', '')
 """
 
 from __future__ import annotations

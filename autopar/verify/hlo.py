@@ -681,7 +681,7 @@ def dump_spmd_hlo(jitted_or_lowered: Any, *args: Any) -> str:
         >>> lowered = autopar.lower.lower_plan(step, plan, (state, batch), graph=graph)
         >>> text = dump_spmd_hlo(lowered)
         >>> sorted((c.kind, c.bytes, c.group_size) for c in parse_collectives(text))
-        [('all-gather', 262144.0, 2), ('all-gather', 1048576.0, 2), ('all-reduce', 4.0, 8)]
+        [('all-reduce', 65536.0, 4)]
     """
     lowered = _as_lowered(jitted_or_lowered, args)
     tmp = tempfile.mkdtemp(prefix="autopar-spmd-")

@@ -29,8 +29,8 @@ Example:
     >>> print(report)
     verify: plan 'autopar'
     ...
-    │ all-gather  │ 2/2 │ 1.2 MiB │ 1.2 MiB │ +0.0% │ 100.0% │ tensor/tensor │ ok │
-    │ peak memory │     │ 7.7 MiB │ 7.1 MiB │ ...   │        │               │ ok │
+    │ all-reduce  │ 1/1 │ 64.0 KiB │ 64.0 KiB │ +0.0% │ 100.0% │ tensor/tensor │ ok │
+    │ peak memory │     │ 3.7 MiB │ 3.1 MiB │ ...   │        │               │ ok │
     ...
     ok: True
 """
@@ -376,7 +376,7 @@ def verify(
         >>> lowered = autopar.lower.lower_plan(step, plan, (state, batch), graph=graph)
         >>> report = verify(plan, lowered, check_memory=False)  # collectives only
         >>> report.ok, [(r.kind, r.status) for r in report.rows]
-        (True, [('all-gather', 'ok')])
+        (True, [('all-reduce', 'ok')])
     """
     notes: list[str] = []
     is_compiled = hasattr(lowered, "as_text") and not hasattr(lowered, "compiler_ir")
