@@ -114,15 +114,16 @@ def test_bad_specs_are_clear_errors():
     two_axes = (good[0], {"x": P("data"), "y": P("tensor")})
     with pytest.raises(export.ImportSpecsError, match="sizes"):
         export.plan_from_specs(step, two_axes, state, batch, complete=False)
-    one_axis = export.plan_from_specs(step, good, state, batch, complete=False)
+    replicated = jax.tree.map(lambda _: P(), good[0], is_leaf=lambda x: isinstance(x, P))
+    data_only = (replicated, {"x": P("data"), "y": P("data")})
+    one_axis = export.plan_from_specs(step, data_only, state, batch, complete=False)
     assert one_axis.mesh == {"data": 8}  # one axis named, no sizes: every device
     uneven = (good[0], {"x": P(None, ("data", "tensor")), "y": P(("data", "tensor"), None)})
     p = export.plan_from_specs(step, uneven, state, batch, mesh=MESH, complete=False)
     assert p.input("batch/x").spec == (None, ("data", "tensor"))
     with pytest.raises(export.ImportSpecsError, match="not divisible"):
         export.plan_from_specs(
-            step, (good[0], {"x": P(None, None), "y": P(None, None)}), state, batch,
-            mesh={"data": 3}, complete=False,
+            step, data_only, state, batch, mesh={"data": 3}, complete=False,
         )  # fmt: skip
     with pytest.raises(autopar.InvalidOptionError, match="PartitionSpec"):
         autopar.autoparallel(step, plan=42)
