@@ -419,14 +419,14 @@ def _megatron_3d(ctx: PointContext, t0: float) -> tuple[PlanRow, Any]:
             f"{ctx.point.batch} split over the data replicas left",
             limit_bytes=ctx.limit, search_s=time.perf_counter() - t0,
         ), None  # fmt: skip
-    t = layouts[0][0]
-    _, note = _tensor_size(ctx, math.gcd(min(per_node, n), n))
+    _, tensor_note = _tensor_size(ctx, math.gcd(min(per_node, n), n))
+    note = tensor_note
     state = ctx.state_bytes()
     # The fewest stages whose state share fits first; more if the price says otherwise.
     start = next(
         (i for i, (t_, p, _) in enumerate(layouts) if state / (t_ * p) <= _STATE_SLACK * ctx.limit),
         len(layouts) - 1,
-    )  # noqa: E501
+    )
     row: PlanRow | None = None
     full = None
     for t, p, d in layouts[start:]:
@@ -437,9 +437,9 @@ def _megatron_3d(ctx: PointContext, t0: float) -> tuple[PlanRow, Any]:
                 search_s=time.perf_counter() - t0,
             )  # fmt: skip
             continue
-        note = "; ".join(x for x in (note, mbs_note) if x)
-        inner = baselines.megatron(ctx.graph, {"data": d, "tensor": t})
+        note = "; ".join(x for x in (tensor_note, mbs_note) if x)
         if p == 1:
+            inner = baselines.megatron(ctx.graph, {"data": d, "tensor": t})
             full = _one_stage(ctx, inner, m, "full", "1f1b")
             ev = evaluate_pipeline(ctx.graph, full, ctx.cluster, acc, memory_limit_bytes=ctx.limit)
             sched = "accumulate"
