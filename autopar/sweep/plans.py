@@ -229,8 +229,8 @@ def _priced(
         row = replace(
             row,
             status="does_not_fit",
-            reason=f"{row.memory_bytes / 2**30:.1f} GiB per device, {over:+.0%} over the "
-            f"{ctx.limit / 2**30:.1f} GiB bound with {m} microbatch(es) (the most tried)",
+            reason=f"{row.memory_bytes / 2**30:.3g} GiB per device, {over:+.0%} over the "
+            f"{ctx.limit / 2**30:.3g} GiB bound with {m} microbatch(es)",
         )
     return row
 
@@ -289,8 +289,8 @@ def _fewest_microbatches(
             row = _priced(name, ctx, full, ev, m, "-", "none", t0)
             return replace(
                 row,
-                reason=f"the state alone ({rest / 2**30:.1f} GiB per device) is over the "
-                f"{ctx.limit / 2**30:.1f} GiB bound: no microbatch count fits",
+                reason=f"the state alone ({rest / 2**30:.3g} GiB per device) is over the "
+                f"{ctx.limit / 2**30:.3g} GiB bound: no microbatch count fits",
             ), full
         # Activations shrink about as 1/m: jump to the count that should fit, then step.
         want = act / max(ctx.limit - rest, 1.0)
