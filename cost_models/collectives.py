@@ -49,6 +49,12 @@ takes the fastest, as NCCL does.
   network parts proceed in parallel: ``max((k-1)/n B/bw_intra, (n-k)/n B/bw_inter)``.
 * ``p2p``: ``B/bw + α`` over the slowest level the axis crosses.
 
+Clusters of CPU devices (``cpu-sim``, host links): no NCCL; the plain α-β ring
+(``2(n-1)/n B/bw + 2(n-1) α`` for all-reduce, at the slower level's bandwidth across
+nodes, the intra-node α per step except the nodes-1 network steps) and tree
+(``2 B/bw + 2((k-1) α_intra + ceil(log2 nodes) α_inter)``), best of ring / tree /
+hierarchical for all-reduce.
+
 TPU clusters (``topology="torus"``): XLA's ICI collectives, an α-β model per torus axis.
 The ICI LinkLevel bandwidth is the per-chip all-reduce bandwidth with every torus dimension
 in use; a group that spans d of D dimensions gets ``bw * d / D``, and its ring has
@@ -237,6 +243,8 @@ def best_algorithm(
         return (name, times[name])
     if algorithm == "hierarchical":
         return ("hierarchical", _hierarchical(kind, nbytes, cluster, layout))
+    if cluster.device.kind != "gpu":
+        return _alpha_beta(kind, nbytes, cluster, layout, algorithm)
     if cluster.owner_collectives and kind != "all-reduce" and layout.spans_nodes:
         # ZeRO (SC'20) per-owner broadcasts / reduces: one GPU's link on the whole buffer
         return ("owner", _owner_ring(kind, nbytes, cluster, layout))
@@ -332,6 +340,38 @@ def nccl_times(
     return out
 
 
+def _alpha_beta(
+    kind: str, nbytes: float, cluster: Cluster, layout: GroupLayout, algorithm: str
+) -> tuple[str, float]:
+    """Switch clusters of CPU (host) devices: no NCCL, the plain α-β ring and tree, one
+    Simple-style hop of ``latency`` per step; a ring across nodes at the slower level."""
+    n = layout.size
+    levels = cluster.levels_for(layout)
+    bw = min(level.bandwidth for level in levels)
+    inter_steps = layout.nodes - 1
+    step_lat = (n - 1 - inter_steps) * cluster.intra.latency + inter_steps * cluster.inter.latency
+    passes = 2.0 if kind == "all-reduce" else 1.0
+    ring = passes * ((n - 1) / n * nbytes / bw + step_lat)
+    if kind != "all-reduce" or algorithm == "ring":
+        return ("ring", ring)
+    if layout.spans_nodes:
+        lat = (layout.per_node - 1) * cluster.intra.latency + math.ceil(
+            math.log2(layout.nodes)
+        ) * cluster.inter.latency
+    else:
+        lat = (n - 1) * cluster.intra.latency  # a chain inside the node
+    tree = 2.0 * nbytes / bw + 2.0 * lat
+    if algorithm == "tree":
+        return ("tree", tree)
+    times = {
+        "ring": ring,
+        "tree": tree,
+        "hierarchical": _hierarchical(kind, nbytes, cluster, layout),
+    }
+    name = min(times, key=lambda k: times[k])
+    return (name, times[name])
+
+
 def _owner_ring(kind: str, nbytes: float, cluster: Cluster, layout: GroupLayout) -> float:
     """A Simple-protocol ring whose every hop runs at one GPU's network link."""
     n, nodes = layout.size, layout.nodes
@@ -412,7 +452,9 @@ def _tree_torus(nbytes: float, cluster: Cluster, layout: GroupLayout) -> float:
 
 def _hierarchical(kind: str, nbytes: float, cluster: Cluster, layout: GroupLayout) -> float:
     if not layout.spans_nodes or layout.per_node == 1:
-        # one level: nothing to split; NCCL's ring with the Simple protocol
+        # one level: nothing to split; a ring (NCCL's with the Simple protocol on GPUs)
+        if cluster.device.kind != "gpu":
+            return _alpha_beta(kind, nbytes, cluster, layout, "ring")[1]
         return nccl_times(kind, nbytes, cluster, layout)["ring/Simple"]
     k = layout.per_node
     nn = math.ceil(layout.size / k)
