@@ -55,9 +55,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically."""
     with atomic_path(path) as tmp:
-        if isinstance(data, bytes):
-            with open(tmp, "wb") as f:
-                f.write(data)
-        else:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(data)
+        raw = data if isinstance(data, bytes) else data.encode("utf-8")
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it replaces the old file
