@@ -185,3 +185,31 @@ def test_autoparallel_matches_single_device_and_splits_the_batch():
     # the plan's per-layer table names every block of both stacks
     named = {s.layer for s in plan.layers}
     assert {f"{s}/block/{i}" for s in ("encoder", "decoder") for i in range(2)} <= named
+
+
+def test_repeated_blocks_of_both_stacks_are_solved_once():
+    # Encoder and decoder blocks between the first (which owns the relative position
+    # bias) and the last are identical: each stack's middle blocks are tied, so two more
+    # blocks per stack add nodes to the sharding problem but no choice to the solver.
+    import autopar
+    from autopar.options import SearchOptions
+    from autopar.search import solver
+    from autopar.search.intra_op import build_problem
+    from cost_models import Cluster
+
+    cluster = Cluster.preset("dgx-a100-80gb")
+    mesh = {"data": 2, "tensor": 4}
+    sizes = {}
+    for layers in (4, 6):
+        step, args = t5.make_train_step(T5Config.preset("tiny", layers=layers), 8)
+        graph = autopar.trace(step, *args)
+        names = [layer.name for layer in graph.layers]
+        assert names == [f"{s}/block/{i}" for s in ("encoder", "decoder") for i in range(layers)]
+        sig = {layer.name: layer.signature for layer in graph.layers}
+        for s in ("encoder", "decoder"):
+            middle = {sig[f"{s}/block/{i}"] for i in range(1, layers - 1)}
+            assert len(middle) == 1, s
+        problem = build_problem(graph, cluster, mesh, SearchOptions(mesh=mesh), 80e9).problem
+        sizes[layers] = (len(problem.nodes), len(solver._presolve(problem, "cost").unary))
+    assert sizes[6][0] > sizes[4][0]  # more ops ...
+    assert sizes[6][1] == sizes[4][1]  # ... the same choices
