@@ -18,7 +18,10 @@ It runs in three steps, each priced by the planner's own model:
    count and dividing it; data replicas the rest; microbatch sizes dividing the
    per-replica batch; 1F1B, interleaved 1F1B with 2 chunks when the layers divide; stage
    remat none or full) is estimated from its group's profile in closed form
-   (:func:`screen`): stages of ``1/p`` of the work, 1F1B's ``(m + (p - 1)/v)``
+   (:func:`screen`): stages of ``1/p`` of the work (an unrolled stack, not
+   interleaved: the inter-op split of :mod:`autopar.search.interop` from the profile's
+   per-layer seconds, Alpa's ``sum t_s + (m - 1) max t_s``, and the finalist is priced
+   with those layer ranges), 1F1B's ``(m + (p - 1)/v)``
    microbatch slots and ``2 (p - 1)`` boundary sends, the data-parallel gradient
    reduce-scatter per microbatch (as the runtime runs it) and one all-gather per step,
    the update's share; memory, the stage's share of the state plus the in-flight
