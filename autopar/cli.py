@@ -190,11 +190,17 @@ def _cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autopar", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="autopar",
+        description="autopar: plan, run, inspect and compare parallel plans for JAX train steps.",
+    )
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     sub = p.add_subparsers(dest="verb", required=True)
 
-    d = sub.add_parser("demo", help="plan and run a small GPT step on 8 simulated devices")
+    d = sub.add_parser(
+        "demo",
+        help="plan a 1.3B GPT for two DGX nodes, then run a small GPT on 8 simulated devices",
+    )
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--out", default="autopar-report")
     d.add_argument("--cluster", default="dgx-a100-80gb", help="hardware to plan for")
