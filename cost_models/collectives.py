@@ -375,7 +375,8 @@ def _alpha_beta(
 def _owner_ring(kind: str, nbytes: float, cluster: Cluster, layout: GroupLayout) -> float:
     """A Simple-protocol ring whose every hop runs at one GPU's network link."""
     n, nodes = layout.size, layout.nodes
-    lat = 8.4e-6 + (n - nodes) * cluster.intra.latency + (nodes - 1) * cluster.inter.latency
+    lat = _BASE_LAT_US["ring"][2] * 1e-6  # Simple ring baseLat
+    lat += (n - nodes) * cluster.intra.latency + (nodes - 1) * cluster.inter.latency
     return (n - 1) / n * nbytes / cluster.inter.bandwidth + lat
 
 
