@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -136,6 +137,42 @@ def _avals(xs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in xs]
 
 
+@functools.lru_cache(maxsize=64)
+def _bodies(
+    fbody: Any, bbody: Any, counts: tuple[int, int, int, int], res_at: tuple[tuple[int, int], ...]
+) -> tuple[Any, Any]:
+    """The loop bodies of :func:`_per_layer` (the same for every stage and chunk cut from
+    one layer scan, so built once): the forward body also returning its carry in, and the
+    backward body re-running the forward body from it before the layer's backward."""
+    ncf, nkf, ncb, nkb = counts
+    f_fun, b_fun = jaxpr_as_fun(fbody), jaxpr_as_fun(bbody)
+    at = dict(res_at)
+    n_xs = len(bbody.in_avals) - ncb - nkb
+
+    def forward(*a: Any) -> list[Any]:
+        return [*f_fun(*a), *a[ncf : ncf + nkf]]
+
+    body_f = jax.make_jaxpr(forward)(*_avals(fbody.in_avals))
+    kept_avals = [x for j, x in enumerate(bbody.in_avals[ncb + nkb :]) if j not in at]
+    n_kept = len(kept_avals)
+
+    def backward(*a: Any) -> list[Any]:
+        bc, fc = a[:ncb], a[ncb : ncb + ncf]
+        carry = a[ncb + ncf : ncb + ncf + nkb]
+        rest = a[ncb + ncf + nkb :]
+        kx, hx, fx = rest[:n_kept], rest[n_kept : n_kept + nkf], rest[n_kept + nkf :]
+        ys = f_fun(*fc, *hx, *fx)[nkf:]
+        it = iter(kx)
+        xs = [ys[at[j]] if j in at else next(it) for j in range(n_xs)]
+        return b_fun(*bc, *carry, *xs)
+
+    in_avals = [
+        *bbody.in_avals[:ncb], *fbody.in_avals[:ncf], *bbody.in_avals[ncb : ncb + nkb],
+        *kept_avals, *fbody.in_avals[ncf : ncf + nkf], *fbody.in_avals[ncf + nkf :],
+    ]  # fmt: skip
+    return body_f, jax.make_jaxpr(backward)(*_avals(in_avals))
+
+
 def _per_layer(fe: Any, be: Any, residuals: frozenset[Var]) -> tuple[Any, Any, list[Var]]:
     """``(F', B', H)``: the forward scan ``fe`` also returning each layer's carry in (the
     stacked layer inputs ``H``, what a stage stashes per microbatch), and the backward scan
@@ -145,42 +182,20 @@ def _per_layer(fe: Any, be: Any, residuals: frozenset[Var]) -> tuple[Any, Any, l
     fbody, bbody = fe.params["jaxpr"], be.params["jaxpr"]
     ncf, nkf = fe.params["num_consts"], fe.params["num_carry"]
     ncb, nkb = be.params["num_consts"], be.params["num_carry"]
-    f_fun, b_fun = jaxpr_as_fun(fbody), jaxpr_as_fun(bbody)
     full = next(v for v in residuals).aval.shape[0]  # layers of the whole stack
     carry_in = fe.invars[ncf : ncf + nkf]
     h = [Var(a.aval.update(shape=(full, *a.aval.shape))) for a in carry_in]
-
-    def forward(*a: Any) -> list[Any]:
-        return [*f_fun(*a), *a[ncf : ncf + nkf]]
-
-    body_f = jax.make_jaxpr(forward)(*_avals(fbody.in_avals))
+    b_xs = be.invars[ncb + nkb :]
+    f_ys = list(fe.outvars[nkf:])
+    res_at = tuple((j, f_ys.index(x)) for j, x in enumerate(b_xs) if x in residuals)
+    body_f, body_b = _bodies(fbody, bbody, (ncf, nkf, ncb, nkb), res_at)
     new_f = new_jaxpr_eqn(
         list(fe.invars), [*fe.outvars, *h], fe.primitive, dict(fe.params, jaxpr=body_f),
         fe.effects, fe.source_info, fe.ctx,
     )  # fmt: skip
-    b_xs = be.invars[ncb + nkb :]
-    f_ys = list(fe.outvars[nkf:])
-    res_at = {j: f_ys.index(x) for j, x in enumerate(b_xs) if x in residuals}
-    kept = [x for j, x in enumerate(b_xs) if j not in res_at]
-    kept_avals = [a for j, a in enumerate(bbody.in_avals[ncb + nkb :]) if j not in res_at]
+    at = dict(res_at)
+    kept = [x for j, x in enumerate(b_xs) if j not in at]
     f_consts, f_xs = fe.invars[:ncf], fe.invars[ncf + nkf :]
-    n_kept = len(kept)
-
-    def backward(*a: Any) -> list[Any]:
-        bc, fc = a[:ncb], a[ncb : ncb + ncf]
-        carry = a[ncb + ncf : ncb + ncf + nkb]
-        rest = a[ncb + ncf + nkb :]
-        kx, hx, fx = rest[:n_kept], rest[n_kept : n_kept + nkf], rest[n_kept + nkf :]
-        ys = f_fun(*fc, *hx, *fx)[nkf:]
-        it = iter(kx)
-        xs = [ys[res_at[j]] if j in res_at else next(it) for j in range(len(b_xs))]
-        return b_fun(*bc, *carry, *xs)
-
-    in_avals = [
-        *bbody.in_avals[:ncb], *fbody.in_avals[:ncf], *bbody.in_avals[ncb : ncb + nkb],
-        *kept_avals, *fbody.in_avals[ncf : ncf + nkf], *fbody.in_avals[ncf + nkf :],
-    ]  # fmt: skip
-    body_b = jax.make_jaxpr(backward)(*_avals(in_avals))
     invars = [
         *be.invars[:ncb], *f_consts, *be.invars[ncb : ncb + nkb], *kept, *h, *f_xs,
     ]  # fmt: skip
