@@ -280,10 +280,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autopar.errors import AutoparError
 
     try:
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the try, not at exit
+        return status
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `autopar show plan.json | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -138,6 +138,32 @@ def inputs_table(records: Iterable[TensorSharding], title: str, limit: int = 30)
     return t
 
 
+def remat_text(plan: Plan) -> str:
+    """The rematerialisation that runs: per-layer ``plan.remat``, or the pipeline stages'
+    policy (``"full"``: each layer's input kept, its forward re-run in the backward).
+
+    Example:
+        >>> from autopar.plan import PipelinePlan
+        >>> remat_text(Plan(mesh={"pipe": 2}))
+        'none'
+        >>> pp = PipelinePlan(stages=((0, 2), (2, 4)), stage_remat=("full", "none"))
+        >>> remat_text(Plan(mesh={"pipe": 2}, pipeline=pp))
+        'full in stages 0; none in stages 1'
+        >>> both = PipelinePlan(stages=((0, 2), (2, 4)), stage_remat=("full", "full"))
+        >>> remat_text(Plan(mesh={"pipe": 2}, pipeline=both))
+        'full (every stage)'
+    """
+    pp = plan.pipeline
+    if pp is None or not pp.stage_remat or set(pp.stage_remat) == {"none"}:
+        return plan.remat
+    if len(set(pp.stage_remat)) == 1:
+        return f"{pp.stage_remat[0]} (every stage)"
+    by: dict[str, list[str]] = {}
+    for i, r in enumerate(pp.stage_remat):
+        by.setdefault(r, []).append(str(i))
+    return "; ".join(f"{r} in stages {', '.join(ix)}" for r, ix in by.items())
+
+
 def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
     """A readable multi-table summary of a plan.
 
@@ -152,7 +178,7 @@ def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
     """
     head = (
         f"Plan '{plan.name}': mesh {mesh_text(plan)} ({plan.num_devices} devices), "
-        f"ZeRO stage {plan.zero_stage}, remat {plan.remat}"
+        f"ZeRO stage {plan.zero_stage}, remat {remat_text(plan)}"
     )
     if plan.pipeline is not None:
         pp = plan.pipeline

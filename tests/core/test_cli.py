@@ -177,3 +177,21 @@ def test_calibrate_measures_and_writes_a_profile(tmp_path, capsys):
         n = c["num_devices"]
         factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n}[c["kind"]]
         assert math.isclose(c["bus_bandwidth"], c["nbytes"] / c["seconds"] * factor)
+
+
+def test_show_into_a_closed_pipe_is_not_an_error(tmp_path):
+    """`autopar show plan.json | head -1`: the reader leaves early; no traceback, status 0."""
+    import subprocess
+    import sys
+
+    a = tmp_path / "a.json"
+    _plan().save(a)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "autopar.cli", "show", str(a)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    p.stdout.close()  # the reader is gone before the plan is printed
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
