@@ -154,8 +154,8 @@ def collective_class(
     its stored layout, or an update into it (``into_state``), is an FSDP gather
     (``fsdp_gather``), unless ``state_split`` is ``False``: the state is stored whole
     over the collective's axes (a plain data-parallel plan), so what moves is a value
-    computed from it, not the state out of a sharded store (:func:`price_choice` knows
-    the layouts and says so; the ILP's pricing does not, and leaves it ``None``); the
+    computed from it, not the state out of a sharded store (:func:`price_reshard`
+    decides it with :func:`reshard_state_split`, for the ILP and the report alike); the
     rest is named after the mesh axes it runs over
     (:func:`autopar.axes.exposed_class`): ``seq``, ``expert``, ``tensor``, except a
     forward op's own reduction to a scalar (``scalar``: the loss, a metric), which is
@@ -224,14 +224,23 @@ def scalar_result(op: Op) -> bool:
     return op.phase == "forward" and bool(outs) and all(t.ndim == 0 for t in outs)
 
 
-def price_strategy(ctx: CostContext, op: Op, st: OpStrategy, *, gradient: bool) -> StrategyPrice:
-    """Price ``op`` run as ``st`` (one execution; ``gradient``: :func:`is_gradient_op`)."""
+def price_strategy(
+    ctx: CostContext,
+    op: Op,
+    st: OpStrategy,
+    *,
+    gradient: bool,
+    rename: Mapping[str, str] | None = None,
+) -> StrategyPrice:
+    """Price ``op`` run as ``st`` (one execution; ``gradient``: :func:`is_gradient_op`;
+    ``rename``: the plan's axis names, which name exposed classes and never change a
+    class's weight)."""
     if not st.comm:
         return StrategyPrice(st.compute_s, st.flops)
     out = []
     scalar = scalar_result(op)
     for c in st.comm:
-        cls = collective_class(c, gradient=gradient, scalar=scalar)
+        cls = collective_class(c, gradient=gradient, scalar=scalar, rename=rename)
         combined = None
         if cls == "dp_grad":
             combined = CombinedReduction(
@@ -249,13 +258,58 @@ def price_reshard(
     *,
     source: Op,
     into_state: bool = False,
+    rename: Mapping[str, str] | None = None,
 ) -> tuple[PricedCollective, ...]:
     """The collectives that turn ``t`` laid out as ``have`` into ``need`` (one
-    execution). ``source`` is the leader of the group that makes the value."""
+    execution), each classed by :func:`reshard_state_split` and
+    :func:`collective_class`: the ILP's costs and the plan's collectives table both
+    come from here, so what the search minimises is what the table reports.
+    ``source`` is the leader of the group that makes the value; ``into_state``: the
+    value is an update on its way into a state's stored layout
+    (:func:`feeds_state_update`); ``rename``: the plan's axis names (they name exposed
+    classes, never change a weight)."""
+    state = source.root_role in STATE_ROLES
     return tuple(
-        PricedCollective(c, collective_class(c, source=source, into_state=into_state))
+        PricedCollective(
+            c,
+            collective_class(
+                c,
+                source=source,
+                into_state=into_state,
+                rename=rename,
+                state_split=reshard_state_split(c, need, state=state, into_state=into_state),
+            ),
+        )
         for c in ctx.reshard(t.shape, t.dtype, have, need)[1]
     )
+
+
+def reshard_state_split(c: Collective, need: Sharding, *, state: bool, into_state: bool) -> bool:
+    """Whether a reshard's collective ``c`` moves state that is stored split over its
+    axes (so it is an FSDP gather, prefetchable and hidden behind compute).
+
+    * Read out of a state's store (``state``: the value's group is led by a parameter or
+      optimizer-state input): the state is gathered from its split store before its use
+      -- ZeRO-3 / FSDP's prefetchable gather: ``True``.
+    * An update on its way into a state's store (``into_state``): the store's layout is
+      ``need``. Only when ``need`` is itself split over ``c``'s axes does ``c`` move
+      sharded state (a relayout within the split store); a gather into a store kept
+      whole over ``c``'s axes (a data-parallel plan computing the update split after a
+      reduce-scatter and gathering it back, ZeRO-1/2's all-gather) runs after the
+      update, at the step's end, with nothing left to hide it: ``False``.
+
+    Example:
+        >>> gather = Collective("all-gather", ("data",), 4096.0, 1e-6)
+        >>> reshard_state_split(gather, ((), ()), state=False, into_state=True)
+        False
+        >>> reshard_state_split(gather, ((), ()), state=True, into_state=False)
+        True
+    """
+    if state:
+        return True
+    if into_state:
+        return any(a in c.axes for dim in need for a in dim)
+    return False
 
 
 def reshard_linear_s(colls: Sequence[PricedCollective], overlap_efficiency: float) -> float:
@@ -343,12 +397,13 @@ def price_choice(
     ``rename`` maps the problem's axis names to the plan's (it names the classes of
     exposed collectives; it never changes seconds).
 
-    Each emitted collective is labelled by what it moves under this choice: a reshard
-    the ILP priced as an FSDP gather (it depends only on state) is an ``fsdp_gather``
-    only if that state is stored split over the collective's axes; otherwise (a pure
-    data-parallel plan computing an update split and gathering it back) it is named by
-    its axes or ``reshard``. The seconds, and so ``step_time_s``, are priced as the ILP
-    priced them.
+    Each emitted collective is labelled with the class it was priced as
+    (:func:`price_reshard`, :func:`reshard_state_split`): a state read out of its split
+    store is an ``fsdp_gather``; an update gathered back into a store kept whole over
+    the gather's axes (a pure data-parallel plan computing the update split) is named
+    by its axes or ``reshard`` and priced exposed, in the ILP as here. So
+    ``step_time_s == compute_s + sum(weight(cls) * seconds)`` over ``emitted`` and
+    ``combined`` plus ``merged_reshard_s``.
     """
     rename = dict(rename or {})
     ctx, eta = bp.ctx, float(bp.ctx.cluster.overlap_efficiency)
@@ -356,28 +411,18 @@ def price_choice(
     emitted: list[EmittedCollective] = []
     combined: dict[CombinedReduction, None] = {}
 
-    def emit(pc: PricedCollective, weight: float, where: str, **how: Any) -> None:
+    def emit(pc: PricedCollective, weight: float, where: str) -> None:
+        # The label is the class the collective was priced as (one function decides
+        # both): the table's rows, weighted by their classes, sum to ``step_time_s``.
         c = pc.collective
         if c.time_s == 0.0 and c.nbytes == 0.0:
             return
-        cls = collective_class(c, rename=rename, **how)
         axes = tuple(rename.get(a, a) for a in c.axes)
-        emitted.append(EmittedCollective(c.kind, axes, c.nbytes, weight, pc.own_s, cls, where))
+        emitted.append(EmittedCollective(c.kind, axes, c.nbytes, weight, pc.own_s, pc.cls, where))
 
     def leader(op_index: int) -> Op:
         g, _ = bp.op_group[op_index]
         return bp.ops[bp.groups[g].ops[0]]
-
-    def stored_split(state: Op, c: Collective) -> bool:
-        """Whether ``state`` (a group leader) is a state input stored split over one of
-        the axes ``c`` runs over: only then does ``c`` gather sharded state."""
-        if state.kind not in ("input", "body_input") or state.root_role not in STATE_ROLES:
-            return False  # (a loop's body input is the state's slice entering the loop)
-        stored = bp.strategy(state.index, choice).outs[0]
-        return any(a in c.axes for dim in stored for a in dim)
-
-    def state_split(src: Op, into: bool, c: Collective, reader: Op | None = None) -> bool:
-        return stored_split(src, c) or (into and reader is not None and stored_split(reader, c))
 
     for g, group in enumerate(bp.groups):
         strats = group.strategies[choice[g]]
@@ -385,7 +430,7 @@ def price_choice(
             op = bp.ops[oi]
             st = strats[pos]
             gradient = bp.is_gradient_op(op)
-            price = price_strategy(ctx, op, st, gradient=gradient)
+            price = price_strategy(ctx, op, st, gradient=gradient, rename=rename)
             compute += op.weight * price.compute_s
             flops += op.weight * price.flops
             if op.phase == "backward":
@@ -394,7 +439,7 @@ def price_choice(
             for pc in price.collectives:
                 if pc.combined is not None:
                     combined[pc.combined] = None
-                emit(pc, op.weight, f"{op.name} (op)", gradient=gradient, scalar=scalar_result(op))
+                emit(pc, op.weight, f"{op.name} (op)")
             # Reads inside the group.
             for k, ref in enumerate(op.operands):
                 if ref is None or bp.op_group.get(ref.op, (-1,))[0] != g or k >= len(st.ins):
@@ -406,16 +451,10 @@ def price_choice(
                 t = op.node.in_tensors[k]
                 w = min(op.weight, bp.ops[ref.op].weight)
                 src = leader(ref.op)
-                colls = price_reshard(ctx, t, have, need, source=src)
+                colls = price_reshard(ctx, t, have, need, source=src, rename=rename)
                 linear += w * reshard_linear_s(colls, eta)
                 for pc in colls:
-                    emit(
-                        pc,
-                        w,
-                        f"{op.name} operand {k} {have}->{need} {t.shape}",
-                        source=src,
-                        state_split=state_split(src, False, pc.collective),
-                    )
+                    emit(pc, w, f"{op.name} operand {k} {have}->{need} {t.shape}")
     # Reads across groups. The same value resharded the same way for several readers is
     # one collective in the program (XLA's CSE: an FSDP parameter gathered for the
     # forward and again for the backward is gathered once and kept); the ILP, pairwise,
@@ -433,7 +472,7 @@ def price_choice(
         t = op.node.in_tensors[e.operand]
         w = min(op.weight, bp.ops[e.ref.op].weight)
         src, into = leader(e.ref.op), feeds_state_update(op, leader(e.op))
-        colls = price_reshard(ctx, t, have, need, source=src, into_state=into)
+        colls = price_reshard(ctx, t, have, need, source=src, into_state=into, rename=rename)
         secs = w * reshard_linear_s(colls, eta)
         linear += secs
         key = (e.ref, have, need, w, op.scope)
@@ -443,8 +482,7 @@ def price_choice(
         done.add(key)
         where = f"{op.name} operand {e.operand} {have}->{need} {t.shape}"
         for pc in colls:
-            split = state_split(src, into, pc.collective, leader(e.op))
-            emit(pc, w, where, source=src, into_state=into, state_split=split)
+            emit(pc, w, where)
     for r in combined:
         linear += combined_linear_s(r, eta)
     return Pricing(
@@ -476,4 +514,5 @@ __all__ = [
     "price_reshard",
     "price_strategy",
     "reshard_linear_s",
+    "reshard_state_split",
 ]

@@ -180,7 +180,7 @@ class _Pricer:
     ) -> float:
         t = op.node.in_tensors[k]
         # The price depends on the source only through whether it is stored state.
-        key = (t.shape, t.dtype, have, need, into or source.root_role in STATE_ROLES)
+        key = (t.shape, t.dtype, have, need, into, source.root_role in STATE_ROLES)
         hit = self._reshard_cache.get(key)
         if hit is None:
             colls = price_reshard(self.ctx, t, have, need, source=source, into_state=into)
