@@ -22,7 +22,9 @@ It runs in three steps, each priced by the planner's own model:
    interleaved: the inter-op split of :mod:`autopar.search.interop` from the profile's
    per-layer seconds, Alpa's ``sum t_s + (m - 1) max t_s``, and the finalist is priced
    with those layer ranges), 1F1B's ``(m + (p - 1)/v)``
-   microbatch slots and ``2 (p - 1)`` boundary sends, the data-parallel gradient
+   microbatch slots (an even split paced by its busiest device from the per-layer
+   seconds: the head's and embedding's stages, :func:`_busiest_device`) and
+   ``2 (p - 1)`` boundary sends, the data-parallel gradient
    reduce-scatter per microbatch (as the runtime runs it) and one all-gather per step,
    the update's share; memory, the stage's share of the state plus the in-flight
    activations (only the stage inputs under remat). A microbatch of ``b`` examples costs
@@ -317,7 +319,20 @@ def screen(
     ctx = CostContext(cluster, c.mesh)
     boundary = prof.boundary_bytes * scale
     p2p = ctx.collective("p2p", boundary, ("pipe",)).time_s if p > 1 and boundary else 0.0
-    makespan = (m + (p - 1) / v) * (fwd + bwd) + 2 * (p - 1) * p2p
+    # The bottleneck device sets the steady state: with the profile's per-layer seconds,
+    # each device's chunks of an even split (a scanned stack is cut evenly) are summed,
+    # and the microbatches after the first run at the slowest device's pace, the first
+    # through every stage: ``(m - 1) max_d + (1 + (p - 1) / v) mean_d`` (Alpa's
+    # ``sum t_s + (m - 1) max t_s`` at v = 1; even devices: 1F1B's ``m + (p - 1)/v``
+    # slots). The head and embedding sit on the last and first stage: counted in the
+    # mean only, a 96-stage pipeline of one layer a stage screened about a third under
+    # its bottleneck and outranked shallower pipelines it prices above (310.1B GPT on
+    # 1920 A100s).
+    busiest = _busiest_device(c, prof, scale)
+    slot = fwd + bwd
+    makespan = (m + (p - 1) / v) * slot + 2 * (p - 1) * p2p
+    if busiest is not None:
+        makespan = (m - 1) * busiest + (1 + (p - 1) / v) * slot + 2 * (p - 1) * p2p
     grads = 0.0
     if c.data > 1 and prof.grad_bytes:
         # The runtime reduces a microbatch's gradients over data before accumulating: at
@@ -370,6 +385,35 @@ def screen(
         # 8-stage pipeline, 20.9 s).
         state /= c.data
     return Screened(config, step, state + held, held)
+
+
+def _busiest_device(c: PipelineConfig, prof: Profile, scale: float) -> float | None:
+    """One microbatch's seconds on the busiest device of ``c``'s even split (its
+    ``virtual_stages`` chunks summed; full remat adds each layer's forward again), from
+    the profile's per-layer seconds; ``None`` without them or when the layers do not
+    split evenly into ``pipe x virtual_stages`` chunks.
+
+    Example: 4 layers of 1 s forward and 2 s backward, the last (with the head) 2 s and
+    4 s; two stages: the second device runs 3 + 6 = 9 s a microbatch.
+
+        >>> prof = Profile({}, 1, 5.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 4,
+        ...                layer_forward_s=(1, 1, 1, 2), layer_backward_s=(2, 2, 2, 4))
+        >>> _busiest_device(PipelineConfig(2, {}, 1, 4, 1), prof, 1.0)
+        9.0
+    """
+    p, v = c.pipe, c.virtual_stages
+    n = len(prof.layer_forward_s)
+    if p < 2 or n == 0 or n % (p * v) or len(prof.layer_backward_s) != n:
+        return None
+    redo = 1.0 if c.remat == "full" else 0.0
+    costs = [
+        (f * (1 + redo) + b) * scale
+        for f, b in zip(prof.layer_forward_s, prof.layer_backward_s, strict=True)
+    ]
+    per = n // (p * v)
+    chunks = [sum(costs[i * per : (i + 1) * per]) for i in range(p * v)]
+    # Chunk j runs on device j mod p (the interleaved schedule's round robin).
+    return float(max(sum(chunks[d::p]) for d in range(p)))
 
 
 def _uneven(
