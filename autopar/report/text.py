@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from rich.console import Console
 from rich.table import Table
 
+from autopar.axes import BATCH_AXES
 from autopar.plan import Plan, TensorSharding, idle_axes
 
 
@@ -193,6 +194,16 @@ def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
             f"the same work (the plan on {plan.num_devices // n} devices, {n} times over); "
             "the cost model predicted that faster than splitting over them (collectives "
             "over fewer devices)"
+        )
+    from autopar.search.to_plan import batch_only_axes  # the search's modules load lazily
+
+    misnamed = [a for a in batch_only_axes(plan) if a not in BATCH_AXES]
+    if misnamed:
+        over = " x ".join(repr(a) for a in batch_only_axes(plan))
+        head += (
+            f"\n  note: axis {', '.join(map(repr, misnamed))} splits only the batch (data "
+            f"parallel, the batch over {over}), not the model; of two such axes only one "
+            "can be named 'data', and a mesh you fix keeps the names you gave it"
         )
     parts: list[object] = [head, cost_table(plan)]
     if plan.predicted.collectives:

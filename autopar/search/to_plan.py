@@ -297,6 +297,38 @@ def _zero_stage(bp: BuiltProblem, choice: Sequence[int]) -> int:
     return zero_stage_of(batch, leaves("param"), leaves("opt_state"))
 
 
+def batch_only_axes(plan: Plan) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split the batch and nothing else: they split the
+    leading dimension of a batch input and no other dimension of any input or output
+    (no weight, no sequence), and no collective over them is a tensor, sequence or expert
+    one. However they are named, they are data parallelism. (An op on a value without a
+    batch dimension may still run split over them -- a position embedding's slice -- as
+    in any data-parallel plan.)
+
+    Of two such axes only one can be named ``data``; :func:`role_names` names the other
+    ``fsdp`` when that is on offer, and a mesh the user fixed keeps its names, so the
+    plan's summary says which axes split only the batch
+    (:func:`autopar.report.text.summary`).
+
+    Example:
+        >>> p = Plan(mesh={"data": 2, "tensor": 4}, inputs=(
+        ...     TensorSharding("x", (64, 8), "float32", (("data", "tensor"), None), "batch"),
+        ...     TensorSharding("w", (8, 8), "float32", (None, None), "param")))
+        >>> batch_only_axes(p)
+        ('data', 'tensor')
+    """
+    batch: set[str] = set()
+    other: set[str] = set()
+    for rec in (*plan.inputs, *plan.outputs):
+        for d, e in enumerate(rec.spec):
+            axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+            (batch if rec.role == "batch" and d == 0 else other).update(axes)
+    for c in plan.predicted.collectives:
+        if c.where in ("tensor", "seq", "expert"):
+            other.update(c.axes)
+    return tuple(a for a, n in plan.mesh.items() if n > 1 and a in batch and a not in other)
+
+
 def write_plan(
     result: MeshResult,
     graph: Graph,
@@ -346,4 +378,11 @@ def write_plan(
     )
 
 
-__all__ = ["batch_layouts", "describe_strategy", "role_names", "write_plan", "zero_stage_of"]
+__all__ = [
+    "batch_layouts",
+    "batch_only_axes",
+    "describe_strategy",
+    "role_names",
+    "write_plan",
+    "zero_stage_of",
+]
