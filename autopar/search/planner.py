@@ -40,7 +40,7 @@ from autopar.search.evaluate import complete_layouts, decode
 from autopar.search.intra_op import MeshResult, build_problem, solve_mesh, step_lower_bound
 from autopar.search.meshes import candidate_meshes, expert_dims, offered_axes
 from autopar.search.shortlist import candidate, rank, unsolved
-from autopar.search.to_plan import role_names, write_plan
+from autopar.search.to_plan import batch_layouts, role_names, write_plan
 from autopar.trace.graph import Graph
 
 _NO_PIPELINES = " (plan_graph, the intra-op search, does not pipeline)"
@@ -244,9 +244,13 @@ def plan_graph(
             f"{[r.mesh for r in tried]}; raise solver_time_limit_s."
         )
     if pipeline is not None:
+        # Replicas: the axes the batch is split over in the solution, whatever their
+        # names (a fixed mesh's 'tensor' may split only the batch).
+        used = batch_layouts(best.built, best.solution.choice).values()
+        split = {a for spec in used if spec and spec[0] for a in spec[0]}
         replicas = 1
         for a, size in best.mesh.items():
-            if (best.rename or {}).get(a, a) in BATCH_AXES:
+            if a in split:
                 replicas *= size
         batch = max((gi.tensor.shape[0] for gi in graph.inputs if gi.role == "batch"), default=0)
         per = batch // (m * replicas) if batch % (m * replicas) == 0 else None

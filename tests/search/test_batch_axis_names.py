@@ -31,6 +31,9 @@ def test_an_axis_splitting_only_the_batch_is_reported_as_data_parallel():
     assert plan.input("batch/tokens").spec == (("data", "tensor"), None)
     assert not any(r.spec != (None,) * len(r.shape) for r in plan.inputs if r.role == "param")
     assert batch_only_axes(plan) == ("data", "tensor")
+    # 64 sequences = 2 microbatches x 8 replicas x 4: every axis splitting the batch is a
+    # replica, whatever its name (counting 'data' alone said 16).
+    assert plan.pipeline.microbatch_size == 64 // (2 * 8) == 4
     # No collective over them is tensor parallelism's.
     assert {c.where for c in plan.predicted.collectives} <= {"dp_grad", "batch_reduce"}
     text = autopar.report.summary(plan)
