@@ -169,8 +169,15 @@ def _check_rows(plan, report) -> None:
     # is the pinned layout of the values crossing the cut. Predicted = compiled, exactly.
     assert row.hlo_count % 10 == 0 and row.hlo_bytes % 10 == 0
     assert (row.predicted_count, row.predicted_bytes) == (row.hlo_count, row.hlo_bytes)
-    assert report.row("all-reduce").status == "ok", report.to_text()
-    assert report.row("reduce-scatter").status == "ok", report.to_text()
+    # Every kind either side has is within tolerance: a kind priced but not compiled is
+    # "missing", one compiled but not priced "unplanned" or "minor" (not accepted here).
+    # Which kinds there are is the completion's choice, not this test's: under NCCL's
+    # collective model (dgx-a100-80gb) a call costs baseLat (~6.6 us LL) whatever its
+    # size, so the tiny GPT's stages split the batch over data x tensor and gather the
+    # tensor-split weights (all-reduce + all-gather, no reduce-scatter); under the old
+    # alpha-beta model (one 3.4 us hop per step) Megatron-SP's reduce-scatters won.
+    assert report.row("all-reduce") is not None, report.to_text()
+    assert report.rows and all(r.status == "ok" for r in report.rows), report.to_text()
     assert report.memory is not None and report.memory.ok, report.to_text()
 
 
