@@ -165,3 +165,22 @@ def test_state_gathers_are_fsdp_only_out_of_a_split_store():
     assert reshard_state_split(a2a, ((), ("data",)), state=False, into_state=True)
     # A value that is no state, read by no update: an ordinary reshard.
     assert not reshard_state_split(gather, ((), ()), state=False, into_state=False)
+
+
+def test_a_zero3_plan_gathers_its_split_parameters_as_fsdp_gathers():
+    # ZeRO-3 over 8, a batch of 1024 (activations far larger than the weights, so the
+    # weights are gathered rather than the matmuls split): a weight stored split over
+    # data is gathered before its use (prefetchable: fsdp_gather, weight 1 - eta), and
+    # the table's rows weighted by their classes still sum to the step time.
+    cfg = mlp.MLPConfig(d_in=16, hidden=64, d_out=8, layers=2)
+    step, args = mlp.make_train_step(cfg, 1024)
+    plan = autopar.baselines.zero(step, {"data": 8}, 3, *args)
+    ev = autopar.evaluate(step, plan, "dgx-a100-80gb", *args)
+    assert plan.zero_stage == 3
+    gathers = [c for c in ev.collectives if c.kind == "all-gather"]
+    assert gathers and {c.where for c in gathers} == {"fsdp_gather"}
+    eta = 0.6  # dgx-a100-80gb's overlap_efficiency (cost_models.cluster default)
+    hand = ev.compute_s + ev.merged_reshard_s
+    for c in ev.collectives:
+        hand += (1 - eta if c.where in ("dp_grad", "fsdp_gather") else 1.0) * c.time_s
+    assert math.isclose(ev.step_time_s, hand, rel_tol=1e-9), (ev.step_time_s, hand)
