@@ -576,12 +576,14 @@ def _next_finalist(
             # GPT on one A100: 128 microbatches of 8, 33.76 s, was never priced behind
             # 512 of 2 and 256 of 4, 33.90 s).
             t = s.step_time_s * (slower or {}).get(s.config.pipe > 1, 1.0)
-            if traced is not None and s.config.microbatches not in traced:
-                # Within the screen's noise, a microbatch count already traced is the
-                # cheaper finalist: a new one traces the step again (GPT-3 175B on 1024
-                # A100s: pipe 8 x tensor 8 at 24 microbatches, screened 0.8% ahead of
+            if traced is not None and s.config.pipe > 1 and s.config.microbatches not in traced:
+                # Within the screen's noise, a pipeline at a microbatch count already traced
+                # is the cheaper finalist: a new one traces the step again (GPT-3 175B on
+                # 1024 A100s: pipe 8 x tensor 8 at 24 microbatches, screened 0.8% ahead of
                 # pipe 16 x tensor 8 at the 48 traced, took the search from 26 to 79 CPU
-                # seconds for the same plan).
+                # seconds for the same plan). Not for plain accumulation, whose screen is
+                # close to its price: there the handicap cost 1.2% (350M GPT on one A100
+                # lost to data parallelism with 128 microbatches of 8).
                 t *= 1 + _UNTRACED
             key = (float(f"{t:.9g}"), -s.config.microbatch_size, i)
             best_fit = min(best_fit or key, key)
