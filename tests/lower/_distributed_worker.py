@@ -43,7 +43,7 @@ import time
 STEPS = 2
 MESH = {"pipe": 2, "data": 2, "tensor": 2}
 MICROBATCHES = 4
-BATCH = 16
+BATCH = 64  # at 16 sequences the cost model replicates the tiny GPT's batch (latency-bound)
 CASES = ("pipeline", "autoparallel", "outer")
 DECORATED_LAYERS = 2  # the decorated-step cases: a smaller GPT (compile time)
 CLUSTER = "cpu-sim"  # the preset the autoparallel case (and its reference) plans for

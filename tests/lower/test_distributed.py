@@ -161,8 +161,8 @@ def test_two_processes_search_one_plan_and_give_one_process_losses(tmp_path):
         f"no axis the plan uses ({splits}) spans both processes "
         f"(cross-process axes: {got[0]['cross_process_axes']})"
     )
-    # Today's plan: data 2 x tensor 4, the batch split over 'data' (the outer axis: one
-    # half per process, gradients all-reduced across them), 'tensor' idle.
+    # Today's plan: the batch split over 'data' (the outer axis, spanning both processes:
+    # gradients all-reduced across them), the other axis idle.
     assert "batch/tokens" in splits.get("data", []), splits
 
     # The 2-process losses are the 1-process 8-device losses (which other tests hold to
