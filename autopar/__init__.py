@@ -59,6 +59,7 @@ from autopar.plan import (  # noqa: E402
     PredictedCollective,
     TensorSharding,
 )
+from autopar.sweep import LoadSuiteError  # noqa: E402  (autopar.sweep: the sweep package)
 from autopar.trace import Graph  # noqa: E402
 from cost_models import Cluster  # noqa: E402
 
@@ -77,6 +78,7 @@ __all__ = [
     "InfeasiblePlanError",
     "InvalidOptionError",
     "LoadPlanError",
+    "LoadSuiteError",
     "LowerPlanError",
     "LoweringOptions",
     "MatchSignatureError",
@@ -103,6 +105,7 @@ __all__ = [
     "explain",
     "export",
     "plan",
+    "sweep",
     "trace",
     "verify",
 ]
