@@ -31,8 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.export import per_device_shape
-from autopar.plan import LayerStrategy, Plan, Spec, TensorSharding, spec_axes
+from autopar.plan import LayerStrategy, Plan, Spec, TensorSharding, per_device_shape, spec_axes
 from autopar.report.text import format_bytes, format_seconds, format_spec
 
 __all__ = ["ExplainPathError", "Alternative", "explain", "price_alternatives"]

@@ -47,7 +47,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P  # noqa: F401  (docstring examples)
 
 from autopar.errors import LoadPlanError
-from autopar.plan import Plan, Spec, SpecEntry, TensorSharding, spec_axes, to_partition_spec
+from autopar.plan import (  # per_device_shape: public here too (it moved to plan.py, JAX-free)
+    Plan,
+    Spec,
+    SpecEntry,
+    TensorSharding,
+    per_device_shape,
+    spec_axes,
+    to_partition_spec,
+)
 
 __all__ = [
     "ImportSpecsError",
@@ -68,22 +76,6 @@ class ImportSpecsError(LoadPlanError):
 
 
 # ------------------------------------------------------------------------------- export
-
-
-def per_device_shape(shape: Sequence[int], spec: Spec, mesh: Mapping[str, int]) -> tuple[int, ...]:
-    """The block of a ``shape`` array one device holds under ``spec`` on ``mesh``.
-
-    Example:
-        >>> per_device_shape((64, 256), ("data", ("tensor", "seq")), {"data": 2, "tensor": 4,
-        ...                  "seq": 2})
-        (32, 32)
-    """
-    out = []
-    for d, n in enumerate(shape):
-        e = spec[d] if d < len(spec) else None
-        axes = () if e is None else (e,) if isinstance(e, str) else e
-        out.append(-(-n // math.prod(mesh.get(a, 1) for a in axes)))
-    return tuple(out)
 
 
 def _args_tree(tree: Any) -> Any:

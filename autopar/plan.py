@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -60,6 +61,22 @@ def spec_axes(spec: Spec) -> tuple[str, ...]:
     return tuple(out)
 
 
+def per_device_shape(shape: Sequence[int], spec: Spec, mesh: Mapping[str, int]) -> tuple[int, ...]:
+    """The block of a ``shape`` array one device holds under ``spec`` on ``mesh``.
+
+    Example:
+        >>> per_device_shape((64, 256), ("data", ("tensor", "seq")), {"data": 2, "tensor": 4,
+        ...                  "seq": 2})
+        (32, 32)
+    """
+    out = []
+    for d, n in enumerate(shape):
+        e = spec[d] if d < len(spec) else None
+        axes = () if e is None else (e,) if isinstance(e, str) else e
+        out.append(-(-n // math.prod(mesh.get(a, 1) for a in axes)))
+    return tuple(out)
+
+
 def idle_axes(plan: Plan) -> tuple[str, ...]:
     """Mesh axes (of size > 1) that split nothing: no input, output or activation layout
     uses them and no collective runs over them. Their devices repeat the same work: the
@@ -79,6 +96,38 @@ def idle_axes(plan: Plan) -> tuple[str, ...]:
     for coll in plan.predicted.collectives:
         used.update(coll.axes)
     return tuple(a for a, n in plan.mesh.items() if n > 1 and a not in used)
+
+
+def batch_only_axes(plan: Plan) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split the batch and nothing else: they split the
+    leading dimension of a batch input and no other dimension of any input or output
+    (no weight, no sequence), and no collective over them is a tensor, sequence or expert
+    one. However they are named, they are data parallelism. (An op on a value without a
+    batch dimension may still run split over them -- a position embedding's slice -- as
+    in any data-parallel plan.)
+
+    Of two such axes only one can be named ``data``; the search's
+    :func:`autopar.search.to_plan.role_names` names the other ``fsdp`` when that is on
+    offer, and a mesh the user fixed keeps its names, so the plan's summary says which
+    axes split only the batch (:func:`autopar.report.text.summary`).
+
+    Example:
+        >>> p = Plan(mesh={"data": 2, "tensor": 4}, inputs=(
+        ...     TensorSharding("x", (64, 8), "float32", (("data", "tensor"), None), "batch"),
+        ...     TensorSharding("w", (8, 8), "float32", (None, None), "param")))
+        >>> batch_only_axes(p)
+        ('data', 'tensor')
+    """
+    batch: set[str] = set()
+    other: set[str] = set()
+    for rec in (*plan.inputs, *plan.outputs):
+        for d, e in enumerate(rec.spec):
+            axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+            (batch if rec.role == "batch" and d == 0 else other).update(axes)
+    for c in plan.predicted.collectives:
+        if c.where in ("tensor", "seq", "expert"):
+            other.update(c.axes)
+    return tuple(a for a, n in plan.mesh.items() if n > 1 and a in batch and a not in other)
 
 
 def to_partition_spec(spec: Spec):

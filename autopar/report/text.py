@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.axes import BATCH_AXES
-from autopar.plan import Plan, TensorSharding, idle_axes
+from autopar.plan import Plan, TensorSharding, batch_only_axes, idle_axes
 
 
 def format_bytes(n: float) -> str:
@@ -195,8 +195,6 @@ def summary(plan: Plan, width: int = 110, max_layers: int = 4) -> str:
             "the cost model predicted that faster than splitting over them (collectives "
             "over fewer devices)"
         )
-    from autopar.search.to_plan import batch_only_axes  # the search's modules load lazily
-
     misnamed = [a for a in batch_only_axes(plan) if a not in BATCH_AXES]
     if misnamed:
         over = " x ".join(repr(a) for a in batch_only_axes(plan))

@@ -32,7 +32,13 @@ from typing import Any
 
 import cost_models
 from autopar.axes import BATCH_AXES, axes_splitting
-from autopar.plan import LayerStrategy, PipelinePlan, Plan, TensorSharding
+from autopar.plan import (  # batch_only_axes: moved to plan.py (JAX-free), public here too
+    LayerStrategy,
+    PipelinePlan,
+    Plan,
+    TensorSharding,
+    batch_only_axes,
+)
 from autopar.search.build.records import Op
 from autopar.search.evaluate import decode, pinned_activations, rename_spec
 from autopar.search.ilp import BuiltProblem
@@ -295,38 +301,6 @@ def _zero_stage(bp: BuiltProblem, choice: Sequence[int]) -> int:
 
     batch = list(batch_layouts(bp, choice).values())
     return zero_stage_of(batch, leaves("param"), leaves("opt_state"))
-
-
-def batch_only_axes(plan: Plan) -> tuple[str, ...]:
-    """The mesh axes (of size > 1) that split the batch and nothing else: they split the
-    leading dimension of a batch input and no other dimension of any input or output
-    (no weight, no sequence), and no collective over them is a tensor, sequence or expert
-    one. However they are named, they are data parallelism. (An op on a value without a
-    batch dimension may still run split over them -- a position embedding's slice -- as
-    in any data-parallel plan.)
-
-    Of two such axes only one can be named ``data``; :func:`role_names` names the other
-    ``fsdp`` when that is on offer, and a mesh the user fixed keeps its names, so the
-    plan's summary says which axes split only the batch
-    (:func:`autopar.report.text.summary`).
-
-    Example:
-        >>> p = Plan(mesh={"data": 2, "tensor": 4}, inputs=(
-        ...     TensorSharding("x", (64, 8), "float32", (("data", "tensor"), None), "batch"),
-        ...     TensorSharding("w", (8, 8), "float32", (None, None), "param")))
-        >>> batch_only_axes(p)
-        ('data', 'tensor')
-    """
-    batch: set[str] = set()
-    other: set[str] = set()
-    for rec in (*plan.inputs, *plan.outputs):
-        for d, e in enumerate(rec.spec):
-            axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-            (batch if rec.role == "batch" and d == 0 else other).update(axes)
-    for c in plan.predicted.collectives:
-        if c.where in ("tensor", "seq", "expert"):
-            other.update(c.axes)
-    return tuple(a for a, n in plan.mesh.items() if n > 1 and a in batch and a not in other)
 
 
 def write_plan(
