@@ -295,15 +295,7 @@ class Cluster:
                 raise CostModelError(f"axis {a!r} is not in the mesh; mesh axes: {list(m)}")
         if len(set(axes)) != len(axes):
             raise CostModelError(f"axes repeat: {list(axes)}")
-        names = list(m)
-        strides: dict[str, int] = {}
-        stride = 1
-        for a in reversed(names):
-            strides[a] = stride
-            stride *= m[a]
-        members = [0]
-        for a in axes:
-            members = [i + c * strides[a] for i in members for c in range(m[a])]
+        members = group_members(m, axes)
         size = len(members)
         counts: dict[int, int] = {}
         for i in members:
@@ -409,6 +401,37 @@ class Cluster:
             )
         except KeyError as e:
             raise CostModelError(f"Cluster JSON lacks the field {e.args[0]!r}") from None
+
+
+def group_members(mesh: Mapping[str, int], axes: Sequence[str]) -> tuple[int, ...]:
+    """The devices of the collective group over ``axes`` that holds device 0.
+
+    Devices are numbered row-major over the mesh axes, the last axis varying fastest (as a
+    ``jax.sharding.Mesh`` over ``devices.reshape(sizes)``): an axis's stride is the product
+    of the sizes after it, so inner axes are packed into a node first. Members come in
+    order, the last of ``axes`` varying fastest.
+
+    Raises:
+        CostModelError: an axis is not in the mesh.
+
+    Example:
+        >>> group_members({"data": 2, "tensor": 4}, ["tensor"])
+        (0, 1, 2, 3)
+        >>> group_members({"data": 2, "tensor": 4}, ["data"])
+        (0, 4)
+        >>> group_members({"pipe": 2, "data": 3, "tensor": 2}, ["pipe", "tensor"])
+        (0, 1, 6, 7)
+    """
+    stride, strides = 1, {}
+    for a in reversed(list(mesh)):
+        strides[a] = stride
+        stride *= mesh[a]
+    members = [0]
+    for a in axes:
+        if a not in strides:
+            raise CostModelError(f"axis {a!r} is not in the mesh; mesh axes: {list(mesh)}")
+        members = [i + c * strides[a] for i in members for c in range(mesh[a])]
+    return tuple(members)
 
 
 def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from autopar.report.svg import (
     tint,
 )
 from autopar.report.words import LINK_WORDS, axis_words
+from cost_models.cluster import group_members
 
 MAX_NODES_DRAWN = 16
 """Nodes drawn in full; a bigger cluster shows its first ones and says how many more."""
@@ -70,17 +71,10 @@ def axis_placement(
 ) -> dict[str, AxisPlacement]:
     """For each axis, how the group holding device 0 sits on nodes of
     ``devices_per_node`` (every group alike when the sizes are powers of two)."""
-    names = list(mesh)
-    strides: dict[str, int] = {}
-    s = 1
-    for a in reversed(names):
-        strides[a] = s
-        s *= mesh[a]
     out = {}
-    for a in names:
-        members = [c * strides[a] for c in range(mesh[a])]
+    for a in mesh:
         counts: dict[int, int] = {}
-        for i in members:
+        for i in group_members(mesh, (a,)):
             counts[i // devices_per_node] = counts.get(i // devices_per_node, 0) + 1
         nodes, per = len(counts), max(counts.values())
         if nodes == 1:

@@ -44,6 +44,23 @@ def test_mesh_errors():
         c.axis_levels({"data": 2.5})
 
 
+def test_group_members_match_a_row_major_device_array():
+    """The group over some axes holding device 0: what indexing ``arange(n).reshape(sizes)``
+    at coordinate 0 on every other axis gives (jax.sharding.Mesh's device order)."""
+    import numpy as np
+
+    from cost_models.cluster import group_members
+
+    mesh = {"pipe": 2, "data": 3, "tensor": 4}
+    devices = np.arange(24).reshape(2, 3, 4)
+    assert group_members(mesh, ["tensor"]) == tuple(devices[0, 0, :])  # 0..3
+    assert group_members(mesh, ["data"]) == tuple(devices[0, :, 0])  # 0, 4, 8
+    assert group_members(mesh, ["pipe", "tensor"]) == tuple(devices[:, 0, :].ravel())
+    assert group_members(mesh, []) == (0,)
+    with pytest.raises(CostModelError, match="axis 'seq' is not in the mesh"):
+        group_members(mesh, ["seq"])
+
+
 def test_presets_sizes_and_links():
     assert Cluster.preset("dgx-a100-80gb", nodes=48).num_devices == 384
     dgx = Cluster.preset("dgx-a100-80gb")
