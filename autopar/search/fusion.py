@@ -7,18 +7,21 @@ elementwise operation as its own HBM round trip (read all operands, write the re
 overstates them several times: GPT-2's tanh-gelu alone is ten operations but one kernel,
 and AdamW's update some thirty operations but one pass over the parameters and moments.
 
-The model here: a value is *materialised* (written once to HBM, and read from HBM by each
-consumer) when
+The model here (:func:`hbm_io`, for time): the graph's operations are grouped into the
+kernels XLA:GPU would run (:func:`fusion_groups`, each boundary rule citing XLA's fusion
+passes): an elementwise chain with the reduction it feeds; a producer with all its
+elementwise readers (a multi-output fusion); a softmax or layer norm, reductions over the
+last dim and the elementwise work around them, as one kernel (XLA's Triton softmax
+rewriter; Megatron-LM's fused softmax and layer-norm kernels). A kernel reads each value
+from outside it once and writes each result read outside it (or leaving the graph) once;
+every other value lives in registers. A value is stored whatever reads it when a
+non-fusible operation (matmul, gather, scatter, a loop, an input) or a reduction over
+other dims produces it. FLOPs are unaffected.
 
-* a non-fusible operation produces it (matmul, gather, scatter, a loop, an input), or a
-  reduction (the root of its fusion);
-* it leaves its graph (a result, a loop output);
-* a non-fusible operation reads it (a matmul operand); or
-* two or more operations read it (XLA either materialises it or recomputes it in each
-  consumer, re-reading its inputs: about the same traffic).
-
-Every other value lives in registers between fused operations: its producer writes no
-bytes for it and its consumer reads none. FLOPs are unaffected.
+The memory count (:func:`materialised_values`) keeps the older, per-value rule, checked
+against the CPU compiler's buffer assignment: a value is stored when a non-fusible
+operation or a reduction produces it, it leaves the graph, a non-fusible operation reads
+it, or several operations read it and its producer is expensive.
 
 Example: a matmul and its tanh-gelu, one fused kernel after the matmul.
 
@@ -29,8 +32,10 @@ Example: a matmul and its tanh-gelu, one fused kernel after the matmul.
     >>> io = hbm_io(g)
     >>> io[g.nodes[5].id]   # the tanh: its operand and result stay in registers
     ((False,), (False,))
-    >>> io[g.nodes[-1].id]  # the last mul: reads the matmul's result, writes the output
-    ((True, False), (True,))
+    >>> io[g.nodes[1].id]   # the first reader of the matmul's result reads it from HBM
+    ((True,), (False,))
+    >>> io[g.nodes[-1].id]  # the last mul: the same kernel, it writes the output only
+    ((False, False), (True,))
     >>> sorted(materialised_values(g)) == [g.nodes[0].outputs[0], g.outputs[0].value]
     True
 """
@@ -43,7 +48,7 @@ from __future__ import annotations
 # fusions (``EXPENSIVE``, XLA's ``InstructionFusion::IsExpensive``) and which scatters add
 # (``SCATTER_ADDS``): columns of the primitives table.
 from autopar.primitives import EXPENSIVE, FUSIBLE, FUSION_CONSUMERS, SCATTER_ADDS
-from autopar.trace.graph import Graph
+from autopar.trace.graph import Graph, Node
 
 IO = tuple[tuple[bool, ...], tuple[bool, ...]]
 """Per operand: read from HBM; per result: written to HBM."""
@@ -99,38 +104,155 @@ def _scattered_into_sums(graph: Graph, nodes: dict) -> set[int]:
     return out
 
 
+def is_row_reduction(node: Node) -> bool:
+    """Whether ``node`` reduces only the last (minor-most) dim of its operand: the
+    reduction of a normalisation diamond (softmax's max and sum, layer norm's mean and
+    variance), which XLA:GPU fuses with its producers and consumers into one kernel.
+
+    Example:
+        >>> g = autopar.trace(lambda x: jnp.sum(x, axis=-1), jnp.ones((4, 8)))
+        >>> is_row_reduction(g.nodes[0])
+        True
+    """
+    if node.primitive not in FUSION_CONSUMERS or node.primitive in FUSIBLE:
+        return False
+    if not node.in_tensors:
+        return False
+    axes = node.params.get("axes") if node.params else None
+    if axes is None:
+        return False
+    ndim = node.in_tensors[0].ndim
+    try:
+        reduced = {int(a) % ndim for a in axes} if ndim else set()
+    except (TypeError, ValueError):
+        return False
+    return ndim >= 1 and reduced == {ndim - 1}
+
+
+def fusion_groups(graph: Graph) -> dict[int, int]:
+    """The kernel (fusion) each node of ``graph`` runs in: node id -> the id of a
+    representative node of its fusion. Non-fusible nodes run alone.
+
+    Fusion boundaries follow XLA:GPU's rules (each cited):
+
+    * a fusible producer read by one fusible op or reduction fuses into it (producer /
+      consumer loop and input fusion: ``xla/service/gpu/transforms/priority_fusion.cc``);
+    * a fusible producer every reader of which is fusible, or reduces the last dim (a
+      *row* reduction), shares their kernel: XLA duplicates a cheap producer into each
+      consumer or makes a multi-output fusion of them
+      (``xla/service/gpu/transforms/multi_output_fusion.cc``); an expensive one read by
+      several kernels is materialised once;
+    * a row reduction fuses with the ops that read it: a *normalisation diamond*
+      (producer -> reduce over the last dim -> broadcast -> elementwise with the
+      producer) and chains of them are one kernel in XLA:GPU's
+      ``SoftmaxRewriterTriton`` (``xla/service/gpu/softmax_rewriter_triton.cc``,
+      ``MatchesTritonCompatibleClosedReductionDiamond`` / ``FindAllFusibleDiamondChains``),
+      as in Megatron-LM's fused scale-mask-softmax and layer-norm kernels
+      (``megatron/fused_kernels/scaled_masked_softmax.h``, Apex ``FusedLayerNorm``), which
+      read the scores once and write the probabilities once, forward and backward.
+
+    A reduction over other dims (a column reduction, e.g. a bias gradient) is the root of
+    its kernel: its result is stored.
+
+    Example: softmax is one kernel (its two row reductions included).
+
+        >>> g = autopar.trace(lambda x: jax.nn.softmax(x, axis=-1), jnp.ones((4, 8)))
+        >>> len(set(fusion_groups(g).values()))
+        1
+    """
+    nodes = {n.id: n for n in graph.nodes}
+    parent = {n.id: n.id for n in graph.nodes}
+
+    def find(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    row = {n.id for n in graph.nodes if is_row_reduction(n)}
+    for node in graph.nodes:
+        if node.primitive not in FUSIBLE and node.id not in row:
+            continue
+        for v in node.outputs:
+            users = graph.consumers.get(v, ())
+            if not users:
+                continue
+            if node.id in row:
+                # the diamond: the row reduction's fusible readers share its kernel
+                for u in users:
+                    if nodes[u].primitive in FUSIBLE or u in row:
+                        union(node.id, u)
+                continue
+            if len(users) == 1:
+                if nodes[users[0]].primitive in FUSION_CONSUMERS:
+                    union(node.id, users[0])
+            elif all(nodes[u].primitive in FUSIBLE or u in row for u in users):
+                for u in users:
+                    union(node.id, u)
+    return {n.id: find(n.id) for n in graph.nodes}
+
+
 def hbm_io(graph: Graph) -> dict[int, IO]:
     """Which operands each fusible or reducing node of ``graph`` reads from HBM and which
     results it writes there (nodes absent from the map read and write everything).
 
-    Only this graph's nodes are classified (a loop body is its own graph): values that
-    enter it or leave it are materialised.
+    The kernels are :func:`fusion_groups`. A kernel reads each value it takes from
+    outside (a graph input, another kernel's result) once, charged to the first of its
+    nodes that reads it, and writes each of its results that is read outside it or
+    leaves the graph once; every other value stays in registers, and one nothing reads
+    is dropped (XLA's dead-code elimination). Only this graph's nodes
+    are classified (a loop body is its own graph): values that enter it or leave it are
+    materialised.
     """
     nodes = {n.id: n for n in graph.nodes}
     escapes = {o.value for o in graph.outputs}
+    group = fusion_groups(graph)
 
-    def materialised(v: int) -> bool:
+    def root_result(src: int) -> bool:
+        # a matmul, a loop, a column reduction...: its result is stored whatever reads it
+        return nodes[src].primitive not in FUSIBLE and not is_row_reduction(nodes[src])
+
+    def external(v: int, reader: int) -> bool:
         src = graph.producer.get(v)
-        if src is None or v in escapes:
-            return True  # a graph input, a constant, or a result
-        if nodes[src].primitive not in FUSIBLE:
-            return True
-        users = graph.consumers.get(v, ())
-        if len(users) != 1:
-            return True
-        return nodes[users[0]].primitive not in FUSION_CONSUMERS
+        return src is None or root_result(src) or group[src] != group[reader]
 
     out: dict[int, IO] = {}
+    seen: set[tuple[int, int]] = set()
     for node in graph.nodes:
         if node.primitive not in FUSION_CONSUMERS:
             continue
-        reads = tuple(v >= 0 and materialised(v) for v in node.inputs)
-        if node.primitive in FUSIBLE:
-            writes = tuple(materialised(v) for v in node.outputs)
-        else:
-            writes = tuple(True for _ in node.outputs)  # a reduction's result is stored
-        out[node.id] = (reads, writes)
+        g = group[node.id]
+        reads = []
+        for v in node.inputs:
+            hit = v >= 0 and external(v, node.id) and (g, v) not in seen
+            if hit:
+                seen.add((g, v))
+            reads.append(hit)
+        writes = []
+        for v in node.outputs:
+            users = graph.consumers.get(v, ())
+            if v in escapes:
+                writes.append(True)
+            elif not users:
+                writes.append(False)  # dead: XLA's dead-code elimination drops it
+            else:
+                writes.append(root_result(node.id) or any(group[u] != g for u in users))
+        out[node.id] = (tuple(reads), tuple(writes))
     return out
 
 
-__all__ = ["EXPENSIVE", "FUSIBLE", "FUSION_CONSUMERS", "IO", "hbm_io", "materialised_values"]
+__all__ = [
+    "EXPENSIVE",
+    "FUSIBLE",
+    "FUSION_CONSUMERS",
+    "IO",
+    "fusion_groups",
+    "hbm_io",
+    "is_row_reduction",
+    "materialised_values",
+]
