@@ -195,15 +195,28 @@ class _Builder:
         return True
 
     def shard_free_dim(
-        self, spec: list[SpecEntry], shape: Sequence[int], axes: Sequence[str], path: str
+        self,
+        spec: list[SpecEntry],
+        shape: Sequence[int],
+        axes: Sequence[str],
+        path: str,
+        pad: bool = False,
     ) -> None:
-        """ZeRO: split the largest still-unsplit dim that ``axes`` divide (ties: the last)."""
+        """ZeRO: split the largest still-unsplit dim that ``axes`` divide (ties: the last);
+        with ``pad``, if none divides, the largest of at least ``n`` elements unevenly (padded
+        partitions, as DeepSpeed's flattened ZeRO-3 buffers; priced, not lowered)."""
         if not axes or not shape:
             return
         n = _size(self.mesh, axes)
         free = [
             d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0 and shape[d] >= n
         ]
+        if not free and pad:
+            free = [d for d in range(len(shape)) if spec[d] is None and shape[d] >= n]
+            if free:
+                self.fallbacks.append(
+                    (path, f"no dim of {tuple(shape)} divisible by {tuple(axes)}={n}: padded")
+                )
         if not free:
             self.fallbacks.append(
                 (path, f"no dim of {tuple(shape)} divisible by {tuple(axes)}={n}: not sharded")
@@ -250,6 +263,7 @@ def _build(
     zero_stage: int = 0,
     tensor_axis: str | None = None,
     expert_axis: str | None = None,
+    pad: bool = False,
 ) -> Plan:
     mesh_d = _mesh_dict(mesh)
     for ax in (*batch_axes, *zero_axes, *(a for a in (tensor_axis, expert_axis) if a)):
@@ -285,11 +299,11 @@ def _build(
         elif leaf.role == "param":
             spec = list(model_specs[i])
             if zero_stage >= 3:
-                b.shard_free_dim(spec, leaf.shape, zero_axes, leaf.path)
+                b.shard_free_dim(spec, leaf.shape, zero_axes, leaf.path, pad)
         elif leaf.role == "opt_state":
             spec = _follow_param(leaf, param_specs)
             if zero_stage >= 1:
-                b.shard_free_dim(spec, leaf.shape, zero_axes, leaf.path)
+                b.shard_free_dim(spec, leaf.shape, zero_axes, leaf.path, pad)
         specs.append(tuple(spec))
 
     inputs = tuple(
@@ -350,12 +364,20 @@ def data_parallel(graph_or_fn: Any, mesh: Any, *args: Any) -> Plan:
 
 
 def zero(
-    graph_or_fn: Any, mesh: Any, stage: int = 3, *args: Any, tensor_axis: str | None = None
+    graph_or_fn: Any,
+    mesh: Any,
+    stage: int = 3,
+    *args: Any,
+    tensor_axis: str | None = None,
+    pad: bool = False,
 ) -> Plan:
     """ZeRO stage 1/2/3 (stage 3 = FSDP) over every axis but ``tensor_axis``.
 
     With ``tensor_axis`` given, parameters are also split Megatron-style over it. From a
     function the arguments follow the stage: ``zero(step, mesh, 3, state, batch)``.
+    ``pad=True``: a leaf no dim of which the ZeRO axes divide is split unevenly on its
+    largest dim, as padded partitions (DeepSpeed flattens and pads; ``autopar.evaluate``
+    prices it, the lowering refuses it), instead of kept whole.
 
     Example:
         >>> plan = zero(graph, {"data": 8}, stage=3)
@@ -368,7 +390,7 @@ def zero(
     axes = tuple(a for a in mesh_d if a != tensor_axis)
     return _build(
         graph_or_fn, mesh, args, name=f"zero{stage}" + (f"+{tensor_axis}" if tensor_axis else ""),
-        batch_axes=axes, zero_axes=axes, zero_stage=stage, tensor_axis=tensor_axis,
+        batch_axes=axes, zero_axes=axes, zero_stage=stage, tensor_axis=tensor_axis, pad=pad,
     )  # fmt: skip
 
 

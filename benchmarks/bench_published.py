@@ -20,13 +20,15 @@ and ZeRO-3, ``baselines.megatron`` otherwise). The path is the one ``bench_scale
 ``autopar.search.outer.price_pipeline`` with the inner plan inside the stages, or one
 stage of ``m`` accumulated microbatches (``autopar.search.stages.evaluate_pipeline``).
 
-The step time is the evaluation's with two corrections the planner's own step time does
-not make (``bounded_step_s``): overlap bounded by the compute there is to hide behind
-(``cost_models.compose_step_time``'s rule; the planner's linear objective hides
-``overlap_efficiency`` of every overlappable second however little compute there is;
-the ``linear`` column shows it uncorrected), and, for the Megatron-LM and
-Megatron-DeepSpeed runs, gradients reduced once after the pipeline flush rather than in
-every microbatch as the planner's accumulated program does.
+The step time is the evaluation's with overlap bounded by the compute there is to hide
+behind (``Evaluation.overlap_step_time_s``: ``cost_models.overlap.bound_linear_overlap``
+applied by ``autopar.search.stages.evaluate_pipeline``; the planner's linear step time,
+its ILP objective, hides ``overlap_efficiency`` of every overlappable second however
+little compute there is: the ``linear`` column), and, for the Megatron-LM and
+Megatron-DeepSpeed runs, the evaluation's step of the same program with gradients reduced
+once after the pipeline flush (``Evaluation.extra["after_flush_step_s"]``), as those
+runs did, rather than in every microbatch as the planner's lowered program does
+(:attr:`PublishedRun.reduces_after_flush`). No correction is made here.
 
 Predicted TFLOP/s per GPU uses the papers' count (``96 B s l h^2 (1 + s/(6h) + V/(16 l
 h))``, recomputation included: ``cost_models.memory.megatron_flops_per_iteration``), so
@@ -107,6 +109,19 @@ class PublishedRun:
     def microbatches(self) -> int:
         """Microbatches per pipeline per iteration: ``global_batch / (data * microbatch)``."""
         return self.global_batch // (self.data * self.microbatch)
+
+    @property
+    def reduces_after_flush(self) -> bool:
+        """Whether the run's software reduces data-parallel gradients once per iteration,
+        after the last microbatch (Megatron-LM 2021; Megatron-DeepSpeed's pipeline engine
+        with ZeRO-1), rather than bucketed during each backward pass (DeepSpeed ZeRO-3,
+        whose one microbatch per iteration makes the two the same).
+
+        Example:
+            >>> [r.reduces_after_flush for r in published_runs(["t1-1.7b", "t2-zero3-175b-x384"])]
+            [True, False]
+        """
+        return self.zero_stage != 3
 
     def schedule(self) -> tuple[str, int]:
         """``(schedule, chunks per device)``: the papers' interleaved 1F1B (the reference
@@ -300,9 +315,11 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
         inner_mesh = {"data": run.data, "tensor": run.tensor}
         if run.zero_stage == 3:
             inner_mesh = {"data": run.data}
-            inner = autopar.baselines.zero(step, inner_mesh, 3, *args)
+            inner = autopar.baselines.zero(step, inner_mesh, 3, *args, pad=True)
         elif run.zero_stage == 1:
-            inner = autopar.baselines.zero(step, inner_mesh, 1, *args, tensor_axis="tensor")
+            inner = autopar.baselines.zero(
+                step, inner_mesh, 1, *args, tensor_axis="tensor", pad=True
+            )
         else:
             inner = autopar.baselines.megatron(step, inner_mesh, *args)
         acc = plan_accumulation(step, args, m, full=graph)
@@ -319,11 +336,15 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
         flops = megatron_flops_per_iteration(
             run.global_batch, run.seq, run.layers, run.hidden, run.vocab, recompute=True
         )
-        eta = float(cluster.overlap_efficiency)
-        # Megatron-LM and Megatron-DeepSpeed reduce gradients once, after the flush;
-        # DeepSpeed's ZeRO-3 reduce-scatters them bucketed during the backward pass.
-        once = m if run.zero_stage != 3 else None
-        bounded = bounded_step_s(ev, eta, run.pipeline, reduce_after_flush=once)
+        # The evaluation's step with overlap bounded by compute, for the program the run
+        # ran: Megatron-LM and Megatron-DeepSpeed reduce gradients once, after the flush
+        # (``after_flush_step_s``); DeepSpeed's ZeRO-3 reduce-scatters them bucketed
+        # during the backward pass, as the planner's program does in every microbatch.
+        bounded = (
+            float(ev.extra["after_flush_step_s"])
+            if run.reduces_after_flush
+            else float(ev.overlap_step_time_s)
+        )
         pred = flops / bounded / run.gpus / 1e12
         out.update(
             config=_config_text(run),
@@ -343,66 +364,6 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
     out["eval_s"] = time.perf_counter() - t0
     out["within"] = "error" not in out and abs(out["err"]) <= TOLERANCE[run.group]
     return out
-
-
-def bounded_step_s(
-    ev: Any, eta: float, pipeline: int, *, reduce_after_flush: int | None = None
-) -> float:
-    """The evaluation's step time with overlap bounded by the compute there is.
-
-    The planner's step time (``Evaluation.step_time_s``, its ILP objective) counts each
-    overlappable second (``dp_grad``, ``fsdp_gather``) at ``1 - eta`` however little
-    compute there is to hide it behind. ``cost_models.compose_step_time`` bounds the
-    hidden seconds by ``eta`` times the compute (``Evaluation.overlap_step_time_s`` for
-    plans without a pipeline; pipeline evaluations do not fill it). This applies it to a
-    pipeline evaluation's parts: the stages' own overlappable collectives (not those over
-    ``pipe``, priced in full by the schedule), per device (``/ pipeline``); the compute
-    they could hide behind is the stage work less every collective charged into it.
-    Parameter gathers take the budget first (they gate the next layer), then gradient
-    reductions.
-
-    ``reduce_after_flush=m``: the run reduces data-parallel gradients once per step after
-    the last microbatch (Megatron-LM 2021 and the DeepSpeed pipeline engine, ZeRO-1 or
-    none), where the planner's accumulated program reduces them in each of its ``m``
-    microbatches: the ``dp_grad`` charged into the stages is taken out and one
-    microbatch's worth (``1/m`` of it) added in full, hidden behind nothing.
-
-    Example:
-        >>> from types import SimpleNamespace as NS
-        >>> c = NS(axes=("data",), where="fsdp_gather", time_s=50.0)
-        >>> ev = NS(step_time_s=30.0, compute_s=30.0, collectives=(c,))
-        >>> # raw compute 30 - 0.4 x 50 = 10; hidden min(0.6 x 50, 0.6 x 10) = 6
-        >>> bounded_step_s(ev, 0.6, 1)  # 30 + 30 - 6
-        54.0
-        >>> g = NS(axes=("data",), where="dp_grad", time_s=8.0)
-        >>> ev = NS(step_time_s=23.2, compute_s=23.2, collectives=(g,))
-        >>> # raw 20; 8 s of per-microbatch reductions become one of 8 / 4 = 2 s, exposed
-        >>> round(bounded_step_s(ev, 0.6, 1, reduce_after_flush=4), 6)  # 20 + 2
-        22.0
-    """
-    hideable = {"dp_grad": 0.0, "fsdp_gather": 0.0}
-    charged = 0.0
-    for c in ev.collectives:
-        if "pipe" in c.axes or c.where in ("pipeline_p2p", "pipeline_relayout"):
-            continue  # priced by the schedule, not inside the stages
-        t = c.time_s / pipeline
-        if c.where in hideable:
-            hideable[c.where] += t
-            charged += (1.0 - eta) * t
-        else:
-            charged += t
-    raw_compute = max(ev.compute_s - charged, 0.0)
-    budget = eta * raw_compute
-    step = ev.step_time_s + eta * sum(hideable.values())  # every hideable second in full
-    if reduce_after_flush:
-        step += hideable["dp_grad"] * (1.0 / reduce_after_flush - 1.0)
-        hideable["dp_grad"] = 0.0
-    hidden = 0.0
-    for cls in ("fsdp_gather", "dp_grad"):
-        h = min(hideable[cls], budget)
-        hidden += h
-        budget -= h
-    return step - hidden
 
 
 def _config_text(run: PublishedRun) -> str:

@@ -136,3 +136,81 @@ def compose_step_time(
         breakdown=breakdown,
         hidden=hidden,
     )
+
+
+def bound_linear_overlap(
+    linear_step_s: float,
+    work_s: float,
+    hideable: Mapping[str, float],
+    exposed_s: float,
+    overlap_efficiency: float,
+    *,
+    reduce_after_flush: int | None = None,
+) -> float:
+    """A linearly priced step with its hiding bounded by the compute there is.
+
+    The planner's linear pricing (its ILP objective, and a pipeline's stage work) charges
+    each overlappable second at ``1 - eta`` however little compute there is to hide it
+    behind. This takes those seconds out again and hides at most ``eta`` times the raw
+    compute (the rule of :func:`compose_step_time`: a compute second hides
+    ``overlap_efficiency`` communication seconds, once), parameter gathers first (the
+    next layer waits for them), then gradient reductions.
+
+    Args:
+        linear_step_s: the step as priced linearly (per device).
+        work_s: the compute seconds that step counts, with the linear charges in it:
+            ``raw + exposed_s + (1 - eta) * sum(hideable)``.
+        hideable: ``"dp_grad"`` / ``"fsdp_gather"`` seconds per device inside
+            ``work_s``.
+        exposed_s: the other collectives' seconds per device inside ``work_s`` (charged
+            in full: tensor-parallel, resharding, the loss's reduction).
+        overlap_efficiency: ``eta``, ``Cluster.overlap_efficiency``.
+        reduce_after_flush: ``m``: the program reduces data-parallel gradients once per
+            step after its last microbatch (Megatron-LM 2021, the DeepSpeed pipeline
+            engine, ZeRO 0-2) where the linear price reduced them in each of its ``m``
+            microbatches: one microbatch's worth (``1 / m`` of ``hideable["dp_grad"]``)
+            is charged in full, hidden behind nothing (no compute is left after the
+            flush).
+
+    Returns:
+        The step's seconds.
+
+    Example:
+        >>> # raw compute 30 - 0.4 x 50 = 10; hides min(50, 0.6 x 10) = 6 s of gathers
+        >>> bound_linear_overlap(30.0, 30.0, {"fsdp_gather": 50.0}, 0.0, 0.6)  # 30 + 30 - 6
+        54.0
+        >>> # raw 20; 8 s of per-microbatch reductions become one of 8 / 4 = 2 s, exposed
+        >>> round(bound_linear_overlap(23.2, 23.2, {"dp_grad": 8.0}, 0.0, 0.6,
+        ...                            reduce_after_flush=4), 6)
+        22.0
+    """
+    check_positive("overlap_efficiency", overlap_efficiency, allow_zero=True)
+    if overlap_efficiency > 1:
+        raise CostModelError(f"overlap_efficiency must be in [0, 1]; got {overlap_efficiency!r}")
+    if reduce_after_flush is not None and reduce_after_flush < 1:
+        raise CostModelError(
+            f"reduce_after_flush must be >= 1 microbatches; got {reduce_after_flush!r}"
+        )
+    for name in hideable:
+        if name not in ("dp_grad", "fsdp_gather"):
+            raise CostModelError(
+                f"hideable class {name!r}: only 'dp_grad' and 'fsdp_gather' hide inside a "
+                "step's work (pipeline sends are the schedule's)"
+            )
+    eta = float(overlap_efficiency)
+    hide = {
+        "fsdp_gather": hideable.get("fsdp_gather", 0.0),
+        "dp_grad": hideable.get("dp_grad", 0.0),
+    }
+    charged = exposed_s + (1.0 - eta) * sum(hide.values())
+    budget = eta * max(work_s - charged, 0.0)
+    step = linear_step_s + eta * sum(hide.values())  # every hideable second in full
+    if reduce_after_flush:
+        step += hide["dp_grad"] * (1.0 / reduce_after_flush - 1.0)
+        hide["dp_grad"] = 0.0
+    hidden = 0.0
+    for cls in ("fsdp_gather", "dp_grad"):
+        h = min(hide[cls], budget)
+        hidden += h
+        budget -= h
+    return step - hidden

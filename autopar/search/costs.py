@@ -24,6 +24,8 @@ from autopar.search.sharding import (
     MeshShape,
     Sharding,
     after_all_to_all,
+    device_bytes,
+    divides,
     reshard_moves,
     shards,
 )
@@ -46,14 +48,16 @@ class CostContext:
     Args:
         cluster: a ``cost_models.Cluster``.
         mesh: ordered axis -> size.
+        padded: price uneven splits as padded partitions (``MeshShape.padded``: only
+            for a plan that asks for them, ``sharding.uneven_plan``).
     """
 
-    def __init__(self, cluster: Any, mesh: Mapping[str, int]) -> None:
+    def __init__(self, cluster: Any, mesh: Mapping[str, int], padded: bool = False) -> None:
         import cost_models
 
         self._cm = cost_models
         self.cluster = cluster
-        self.mesh = MeshShape.from_mapping(mesh)
+        self.mesh = MeshShape.from_mapping(mesh, padded)
         self.mesh_dict = self.mesh.as_dict()
         self.device = cluster.device
         self._coll: dict[tuple, float] = {}
@@ -163,7 +167,7 @@ class CostContext:
         return tuple(steps)
 
     def _fits(self, shape: Sequence[int], spec: Sharding) -> bool:
-        return all(n % self.mesh.prod(dim) == 0 for n, dim in zip(shape, spec, strict=True))
+        return divides(shape, spec, self.mesh)
 
     def _reshard_step(
         self, shape: Sequence[int], dtype: str, src: Sharding, dst: Sharding
@@ -186,6 +190,9 @@ class CostContext:
         a2a, gather, reorder, p2p_axes, src_shards, dst_shards, gather_size = step
         total = math.prod(shape) * itemsize(dtype)
         per_device = total / src_shards
+        if self.mesh.padded:  # padded partitions: the gather moves k * ceil(n / k)
+            per_device = device_bytes(total, shape, src, self.mesh)
+            total = per_device * src_shards
         colls: list[Collective] = []
         if a2a:
             colls.append(self.collective("all-to-all", per_device, a2a))

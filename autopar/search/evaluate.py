@@ -34,6 +34,7 @@ from autopar.search.sharding import (
     from_plan_spec,
     reshard_steps,
     to_plan_spec,
+    uneven_plan,
 )
 from autopar.search.solver import solve
 from autopar.trace.graph import Graph
@@ -494,7 +495,8 @@ def _solve_completion(
             f"{cluster.num_devices}."
         )
     fixed, raw = plan_constraints(graph, plan)
-    ctx = CostContext(cluster, plan.mesh)
+    # Uneven input / output splits (ZeRO-3's padded partitions) are priced as padded.
+    ctx = CostContext(cluster, plan.mesh, padded=uneven_plan(plan))
     # A plan with pinned activations (the planner's, or complete_plan's) is complete: its
     # remaining freedom (loop-body inputs) is resolved at the cheapest, as planned. Only
     # a plan that pins nothing is completed the way propagation would (unless the caller

@@ -39,14 +39,19 @@ class MeshShape:
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
+    # Uneven splits as padded partitions (a dim of n over k devices: ceil(n / k) each,
+    # k * ceil(n / k) moved by a gather): only to PRICE a plan that asks for them
+    # (:func:`uneven_plan`, e.g. ZeRO-3's flattened and padded partitions); the search
+    # never proposes them and the lowering refuses them.
+    padded: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_size", dict(zip(self.names, self.sizes, strict=True)))
         object.__setattr__(self, "_rank", {n: i for i, n in enumerate(self.names)})
 
     @classmethod
-    def from_mapping(cls, mesh: Mapping[str, int]) -> MeshShape:
-        return cls(tuple(mesh), tuple(int(s) for s in mesh.values()))
+    def from_mapping(cls, mesh: Mapping[str, int], padded: bool = False) -> MeshShape:
+        return cls(tuple(mesh), tuple(int(s) for s in mesh.values()), padded)
 
     def as_dict(self) -> dict[str, int]:
         return dict(zip(self.names, self.sizes, strict=True))
@@ -84,8 +89,77 @@ def used_axes(spec: Sharding) -> tuple[str, ...]:
     return tuple(a for dim in spec for a in dim)
 
 
+def splits(n: int, k: int, mesh: MeshShape) -> bool:
+    """Whether a dim of ``n`` may be cut ``k`` ways: ``k`` divides it, or, on a padded
+    mesh, every device can hold a part of ``ceil(n / k)`` (``n >= k``).
+
+    Example:
+        >>> splits(20480, 1120, MeshShape(("data",), (1120,)))
+        False
+        >>> splits(20480, 1120, MeshShape(("data",), (1120,), padded=True))
+        True
+    """
+    return n % k == 0 or (mesh.padded and n >= k)
+
+
 def divides(shape: Sequence[int], spec: Sharding, mesh: MeshShape) -> bool:
-    return all(n % mesh.prod(dim) == 0 for n, dim in zip(shape, spec, strict=True))
+    """Whether every sharded dim of ``shape`` splits over its axes (:func:`splits`)."""
+    return all(splits(n, mesh.prod(dim), mesh) for n, dim in zip(shape, spec, strict=True))
+
+
+def padded_elements(shape: Sequence[int], spec: Sharding, mesh: MeshShape) -> int:
+    """Elements of the tensor as its padded partitions hold it: ``k * ceil(n / k)`` per
+    dim of ``n`` split ``k`` ways (``n`` when ``k`` divides it).
+
+    Example:
+        >>> m = MeshShape(("data",), (2240,), padded=True)
+        >>> padded_elements((20480,), (("data",),), m)  # 2240 x 10
+        22400
+    """
+    out = 1
+    for n, dim in zip(shape, spec, strict=True):
+        k = mesh.prod(dim)
+        out *= -(-n // k) * k
+    return out
+
+
+def device_bytes(nbytes: float, shape: Sequence[int], spec: Sharding, mesh: MeshShape) -> float:
+    """Bytes one device holds of a tensor of ``nbytes`` laid out as ``spec``: its
+    ``1 / shards`` share, of the padded partitions on a padded mesh.
+
+    Example:
+        >>> m = MeshShape(("data",), (2240,), padded=True)
+        >>> device_bytes(2 * 20480, (20480,), (("data",),), m)  # ceil(20480 / 2240) = 10
+        20.0
+    """
+    n = shards(spec, mesh)
+    if not mesh.padded or n == 1:
+        return nbytes / n
+    total = math.prod(shape)
+    return nbytes / total * padded_elements(shape, spec, mesh) / n if total else 0.0
+
+
+def uneven_plan(plan: Any) -> bool:
+    """Whether a plan splits some input or output dim over axes that do not divide it
+    (ZeRO-3's padded partitions): it is priced on a padded mesh (:class:`MeshShape`).
+
+    Example:
+        >>> from autopar.plan import Plan, TensorSharding
+        >>> w = TensorSharding("w", (20480,), "float32", ("data",), "param")
+        >>> uneven_plan(Plan(mesh={"data": 1120}, inputs=(w,), outputs=()))
+        True
+    """
+    mesh = MeshShape.from_mapping(plan.mesh)
+    for rec in (*plan.inputs, *plan.outputs):
+        try:
+            spec = from_plan_spec(rec.spec, len(rec.shape))
+        except ValueError:
+            return False  # a malformed spec: the plan's own validation reports it
+        if any(a not in mesh.names for d in spec for a in d):
+            return False
+        if not divides(rec.shape, spec, mesh):
+            return True
+    return False
 
 
 def to_plan_spec(spec: Sharding) -> Spec:
@@ -288,7 +362,7 @@ def reshard_steps(
     steps: list[Sharding] = []
 
     def fits(spec: Sharding) -> bool:
-        return all(n % mesh.prod(dim) == 0 for n, dim in zip(shape, spec, strict=True))
+        return divides(shape, spec, mesh)
 
     cur = src
     if a2a:

@@ -40,7 +40,15 @@ priced in four steps, each from a model the rest of the search already uses:
 
 The step time reported is the makespan plus the update, the exposed gradient all-reduce,
 the stack's relayout and the compute of the update; its parts are in
-``Evaluation.extra`` (per device, and per chunk when interleaved).
+``Evaluation.extra`` (per device, and per chunk when interleaved). That is the linear
+price the search ranks by: inside the stages each overlappable second (``dp_grad``,
+``fsdp_gather``) counts at ``1 - overlap_efficiency`` however little compute there is.
+``Evaluation.overlap_step_time_s`` is the same program with hiding bounded by the
+compute (:func:`cost_models.overlap.bound_linear_overlap`, gathers first), and
+``extra["after_flush_step_s"]`` the step of a program that reduces the stages'
+data-parallel gradients once after the flush instead of in every microbatch (Megatron-LM
+2021, the DeepSpeed pipeline engine; the lowered program here reduces them inside each
+stage's backward piece, per microbatch: ``tests/lower/test_verify_pipeline.py``).
 
 Example:
     >>> from benchmarks.models.gpt import GPTConfig, make_train_step
@@ -74,6 +82,7 @@ from autopar.search.pricing import (
     reshard_linear_s,
 )
 from autopar.trace.graph import Graph
+from cost_models.overlap import bound_linear_overlap
 
 
 def _strip(rec: TensorSharding, axis: str) -> TensorSharding:
@@ -447,6 +456,18 @@ def evaluate_pipeline(
         PredictedCollective(kind, axes, b, max(1, round(n)), t, cls)
         for (kind, axes, cls), (b, n, t) in sorted(intra.items())
     ]
+    # Overlap bounded by the compute there is (cost_models.overlap.bound_linear_overlap):
+    # the stages' own gradient reductions and parameter gathers, per device, were charged
+    # into the stage work at 1 - eta; the schedule's sends are priced by the schedule.
+    hide = {"dp_grad": 0.0, "fsdp_gather": 0.0}
+    exposed = 0.0
+    for (_, _, cls), (_, _, t) in intra.items():
+        if cls in hide:
+            hide[cls] += t / p
+        else:
+            exposed += t / p
+    bounded = bound_linear_overlap(step, compute, hide, exposed, eta)
+    after_flush = bound_linear_overlap(step, compute, hide, exposed, eta, reduce_after_flush=m)
     if relayout_sends:
         # Each ppermute of the stack's relayout (chunks in, gradients back), as the
         # program sends them (autopar.lower.pipeline.stack_relayout).
@@ -489,7 +510,7 @@ def evaluate_pipeline(
         flops_per_device=flops / p,
         memory_limit_bytes=memory_limit_bytes,
         solve_status=sol.status,
-        overlap_step_time_s=step,
+        overlap_step_time_s=bounded,
         extra={
             "bubble_s": sim.bubble_s,
             "bubble_fraction": sim.bubble_fraction,
@@ -500,6 +521,12 @@ def evaluate_pipeline(
             "chunk_backward_s": tuple(bwd),
             "chunks": v,
             "update_s": upd,
+            # the step if the stages' data-parallel gradients were reduced once after the
+            # flush (Megatron-LM, the DeepSpeed pipeline engine) rather than in every
+            # microbatch as the lowered program does; overlap bounded as above
+            "after_flush_step_s": after_flush,
+            "dp_grad_per_device_s": hide["dp_grad"],
+            "fsdp_gather_per_device_s": hide["fsdp_gather"],
             "p2p_s": sim_p2p,
             "p2p_from": "program" if prog is not None else "estimate",
             "peak_inflight": sim.peak_inflight,

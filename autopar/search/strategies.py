@@ -42,11 +42,13 @@ from autopar.search.sharding import (
     Collective,
     MeshShape,
     Sharding,
+    device_bytes,
     divides,
     enumerate_shardings,
     replicated,
     reshape_sharding,
     shards,
+    splits,
 )
 from autopar.trace.graph import Node
 
@@ -134,10 +136,10 @@ def _price(
     reads, writes = io if io is not None else ((True,) * len(ins), (True,) * len(outs))
     for t, s, r in zip(node.in_tensors, ins, reads, strict=False):
         if s is not None and r:
-            nbytes += t.nbytes / shards(s, mesh)
+            nbytes += device_bytes(t.nbytes, t.shape, s, mesh)
     for t, s, w in zip(node.out_tensors, outs, writes, strict=True):
         if w:
-            nbytes += t.nbytes / shards(s, mesh)
+            nbytes += device_bytes(t.nbytes, t.shape, s, mesh)
     flops = node.flops / max(work_shards, 1)
     family = family_of(node.primitive)
     kind = family.compute if family is not None else "other"
@@ -382,7 +384,8 @@ def follow_strategy(
         # A reduction over a sharded dim leaves partial results: all-reduce them, once per
         # reduced dim (as XLA's partitioner does: see ``partial_groups``).
         out_bytes = sum(
-            t.nbytes / shards(s, ctx.mesh) for t, s in zip(node.out_tensors, outs, strict=True)
+            device_bytes(t.nbytes, t.shape, s, ctx.mesh)
+            for t, s in zip(node.out_tensors, outs, strict=True)
         )
         reduced = sorted(_tuple(node.params.get("axes", ())))
         groups = partial_groups([ins[0][d] for d in reduced]) if rule == "reduce" else ()
@@ -488,7 +491,7 @@ def _resolve_partial(
     if not partial:
         return [_price(node, ins, (out,), work, ctx, name or "R", (), tags)]
     res = node.out_tensors[0]
-    per_dev = res.nbytes / shards(out, mesh)
+    per_dev = device_bytes(res.nbytes, res.shape, out, mesh)
     label = "+".join(partial)
     strategies = [
         _price(
@@ -504,9 +507,14 @@ def _resolve_partial(
     ]
     for d, dim in enumerate(out):
         new = dim + partial
-        if mesh.order(new) != new or res.shape[d] % mesh.prod(new):
+        if mesh.order(new) != new or not splits(res.shape[d], mesh.prod(new), mesh):
             continue
         scattered = out[:d] + (new,) + out[d + 1 :]
+        # The reduce-scatter's input: the result as its padded partitions hold it (the
+        # unreduced buffer; per_dev when the partial axes divide the dim).
+        rs_bytes = per_dev
+        if mesh.padded:
+            rs_bytes = device_bytes(res.nbytes, res.shape, scattered, mesh) * mesh.prod(partial)
         strategies.append(
             _price(
                 node,
@@ -515,7 +523,7 @@ def _resolve_partial(
                 work,
                 ctx,
                 f"{name} RS({label}->{d})".strip(),
-                (ctx.collective("reduce-scatter", per_dev, partial),),
+                (ctx.collective("reduce-scatter", rs_bytes, partial),),
                 [*tags, ("reduce-scatter", partial)],
             )
         )
