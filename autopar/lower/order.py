@@ -119,9 +119,10 @@ def tie(value: Any, partner: Any, guard: str, predicate: Any = None) -> tuple[An
 
     ``guard="barrier"``: ``lax.optimization_barrier``, which accelerator backends keep
     until scheduling. XLA:CPU expands barriers before it schedules, so ``guard="cond"``
-    also passes both through a ``lax.cond`` on ``predicate`` (an opaque ``True``, see
-    :func:`autopar.lower.remat.default_guard`): a conditional cannot start before its
-    operands exist, and XLA cannot fold it away.
+    also passes ``value`` through a ``lax.cond`` on ``predicate`` (an opaque ``True``, see
+    :func:`autopar.lower.remat.default_guard`) or'ed with a test on one element of
+    ``partner``: a conditional cannot start before its predicate exists, and XLA cannot
+    fold it away.
 
     Example:
         >>> import jax.numpy as jnp
@@ -131,13 +132,19 @@ def tie(value: Any, partner: Any, guard: str, predicate: Any = None) -> tuple[An
     """
     value, partner = jax.lax.optimization_barrier((value, partner))
     if guard == "cond":
-        value, partner = jax.lax.cond(
-            predicate,
-            lambda v, p: (v, p),
-            lambda v, p: (jnp.zeros_like(v), jnp.zeros_like(p)),
-            value,
-            partner,
-        )
+        from autopar.lower.remat import GUARD_SCOPE
+
+        # Only ``value`` passes through the conditional: a branch returning its operand
+        # makes XLA copy it, and a copy of a whole partner (a gradient, a moment) would
+        # live from the conditional to the use (measured: +16% peak on a ZeRO-1 GPT and
+        # an expert-parallel MoE). The partner gates the predicate through one element
+        # of it instead (always true whatever that element is; XLA cannot fold it).
+        if jnp.size(partner):
+            with jax.named_scope(GUARD_SCOPE):
+                first = jnp.ravel(partner)[0].astype(jnp.float32)
+                bits = jax.lax.bitcast_convert_type(first, jnp.int32)
+                predicate = predicate | (bits == 0x7EADBEEF)
+        value = jax.lax.cond(predicate, lambda v: v, jnp.zeros_like, value)
     return value, partner
 
 

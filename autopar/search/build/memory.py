@@ -391,7 +391,14 @@ def reduction_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
     (measured: ``--xla_dump_to`` live ranges of the Llama-like and GPT-Neo-like steps,
     ``tests/lower/test_memory_fidelity.py``) also turns a reduce-scatter into an
     all-reduce of the whole operand followed by a slice, so its result is as large as
-    its operand (``Collective.nbytes``, the full input). XLA's all-reduce combiner
+    its operand (``Collective.nbytes``, the full input). Inside a loop body the whole
+    operand of a reduce-scatter is held too, and the timeline does not have it (the
+    body's value is held in the scattered output layout): there it counts twice
+    ``nbytes`` (measured: in the ZeRO-3 scanned GPT's backward loop body, the combined
+    all-reduce at the body's end keeps every layer gradient whole beside its reduced
+    copy, ``--xla_dump_to`` buffer assignment; at the top level of the ZeRO-3 MLP the
+    partitioner makes the scattered gradient without a whole one, and twice would
+    overshoot by 20%). XLA's all-reduce combiner
     merges the gradient reductions (independent of one another) into one that runs when
     the last gradient is ready, so their results all sit beside their operands at that
     one moment; any other reduction (a tensor-parallel activation's) holds its extra
@@ -419,7 +426,13 @@ def reduction_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
             op = bp.ops[oi]
             if op.kind != "node" or k >= len(strats):
                 continue
-            nbytes = sum(c.nbytes for c in strats[k].comm if c.kind in REDUCTION_KINDS)
+            # Inside a loop body a reduce-scatter also holds its operand (see above).
+            held = 2 if op.scope else 1
+            nbytes = sum(
+                c.nbytes * (held if c.kind == "reduce-scatter" else 1)
+                for c in strats[k].comm
+                if c.kind in REDUCTION_KINDS
+            )
             if not nbytes:
                 continue
             t = pos.get(op.scope[0][0] if op.scope else op.node.id)
