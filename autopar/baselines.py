@@ -19,8 +19,9 @@ Optimizer-state leaves follow their parameter's spec (matched by the path after
 ``opt_state/...`` and the shape, so both ``opt_state/0/mu/<param>`` and the mixed-precision
 ``opt_state/master/<param>`` and ``opt_state/adam/0/nu/<param>`` work). An updated output
 gets its input's spec; the loss and other outputs are replicated. A dimension is only split
-over axes whose size divides it; otherwise that leaf stays replicated and the fallback is
-recorded in ``plan.layers`` under ``"fallbacks"``. ``plan.predicted`` is left empty: score
+over axes whose size divides it; otherwise that leaf stays replicated (or, for ZeRO with
+``pad=True``, is split unevenly in padded partitions, which is priced but not lowered) and
+the fallback is recorded in ``plan.layers`` under ``"fallbacks"``. ``plan.predicted`` is left empty: score
 a baseline with ``autopar.evaluate``.
 
 Example:

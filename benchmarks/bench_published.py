@@ -15,7 +15,9 @@ sequence, width, depth and heads) under the run's configuration, fixed: the mesh
 data, tensor), the schedule (interleaved 1F1B, as the papers ran, with the closed form's
 v: :meth:`PublishedRun.schedule`), the microbatch size (the table's, else 1),
 full activation recomputation, and the ZeRO stage (``autopar.baselines.zero`` for ZeRO-1
-and ZeRO-3, ``baselines.megatron`` otherwise). The path is the one ``bench_scale
+and ZeRO-3 with ``pad=True``: a weight no dim of which the data-parallel size divides, as
+the 530B's on 1120 and 2240 GPUs, is split in padded partitions as DeepSpeed's flattened
+buffers are, and every gather moves the padding; ``baselines.megatron`` otherwise). The path is the one ``bench_scale
 --megatron`` uses for "the paper's configuration by the same model":
 ``autopar.search.outer.price_pipeline`` with the inner plan inside the stages, or one
 stage of ``m`` accumulated microbatches (``autopar.search.stages.evaluate_pipeline``).
