@@ -805,10 +805,15 @@ def _pipeline_body(
 ) -> Callable[..., tuple[Any, ...]]:
     p = cut.num_stages  # virtual stages: p_dev * v
     p_dev, v = sched.num_stages, sched.virtual_stages
+    # An unevenly split stack comes whole: this device takes its slots (row take[d]),
+    # and its gradient goes back scattered to the whole stack, summed over pipe.
+    take = _uneven_slots(cut, p_dev, v)
+    uneven_in = {i for (kind, i) in take if kind == "in"}
+    uneven_out = {i for (kind, i) in take if kind == "out"}
     # v > 1: a stacked input arrives as (v, 1, n, ...), chunk j of this device at [j];
     # a stacked output's accumulator is (v, n, ...), chunk j's sum at [j]
-    chunked_in = set(cut.stacked_inputs) if v > 1 else set()
-    chunked_out = set(cut.stacked_outputs) if v > 1 else set()
+    chunked_in = set(cut.stacked_inputs) | uneven_in if v > 1 else set()
+    chunked_out = set(cut.stacked_outputs) | uneven_out if v > 1 else set()
     relayout = stack_relayout(p_dev, v)
     tabs = _tables(sched)
     jaxpr = cut.jaxpr.jaxpr
@@ -875,8 +880,12 @@ def _pipeline_body(
         for i in batch:
             x = flat[i]
             micro_views[i] = x.reshape(x.shape[0] // m_count, m_count, *x.shape[1:])
-        for i in chunked_in:
+        for i in chunked_in - uneven_in:
             fixed[i] = relayout.to_chunks(flat[i], axis)
+        for i in uneven_in:
+            x = jnp.take(flat[i], jnp.asarray(take["in", i])[d], axis=0, mode="fill",
+                         fill_value=0)  # fmt: skip
+            fixed[i] = x.reshape(v, x.shape[0] // v, *x.shape[1:]) if v > 1 else x
         fbuf = f_layout.zeros((tabs.f_slots + 1,))
         bbuf = b_layout.zeros((tabs.b_slots + 1,))
         sbuf = s_layout.zeros((tabs.s_slots + 1,))
@@ -924,16 +933,47 @@ def _pipeline_body(
             return (fbuf, bbuf, sbuf, accs), None
 
         (_, _, _, accs), _ = jax.lax.scan(tick, (fbuf, bbuf, sbuf, accs), xs)
-        return tuple(
-            relayout.from_chunks(a, axis)
-            if i in chunked_out
-            else a
-            if i in cut.stacked_outputs
-            else jax.lax.psum(a, axis)
-            for i, a in enumerate(accs)
-        )
+
+        def back(i: int, a: Any) -> Any:
+            if i in uneven_out:
+                a = a.reshape(-1, *a.shape[2:]) if v > 1 else a
+                whole = cut.jaxpr.jaxpr.outvars[i].aval
+                z = jnp.zeros(whole.shape, a.dtype)
+                # padding slots index past the stack: dropped
+                a = z.at[jnp.asarray(take["out", i])[d]].add(a, mode="drop")
+                return jax.lax.psum(a, axis)
+            if i in chunked_out:
+                return relayout.from_chunks(a, axis)
+            return a if i in cut.stacked_outputs else jax.lax.psum(a, axis)
+
+        return tuple(back(i, a) for i, a in enumerate(accs))
 
     return body
+
+
+def _uneven_slots(cut: StageCut, p: int, v: int) -> dict[tuple[str, int], np.ndarray]:
+    """Per unevenly split stack input or output (:attr:`StageCut.uneven_stacks`), the
+    ``[p, v n]`` layer each device's slot holds: chunk ``j`` of device ``d`` (virtual
+    stage ``j p + d``) in slots ``j n .. j n + n - 1``, its layers first, then the stack's
+    length (a padding slot: out of range, filled with zeros on the way in and dropped on
+    the way out).
+
+    Example: 5 layers on 2 stages as (0, 3), (3, 5): 3 slots each.
+
+        >>> _uneven_slots(cut, 2, 1)[("in", 0)].tolist()  # doctest: +SKIP
+        [[0, 1, 2], [3, 4, 5]]
+    """
+    invars, outvars = cut.jaxpr.jaxpr.invars, cut.jaxpr.jaxpr.outvars
+    out = {}
+    for (kind, i), layout in cut.uneven_stacks.items():
+        var = invars[i] if kind == "in" else outvars[i]
+        whole, n = var.aval.shape[0], cut.aval(var).shape[0]
+        table = np.full((p, v * n), whole, np.int32)
+        for k, (first, count) in enumerate(layout):
+            d, j = k % p, k // p
+            table[d, j * n : j * n + count] = np.arange(first, first + count)
+        out[kind, i] = table
+    return out
 
 
 def _run_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
@@ -946,6 +986,11 @@ def _run_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
     for eqn in eqns:
         invals = [a.val if isinstance(a, JaxLiteral) else env[a] for a in eqn.invars]
         invals = guard_gather(eqn, invals)  # an XLA fault: autopar.lower.workarounds
+        slots = _scan_slots(eqn, invals)
+        if slots is not None:
+            # A stage's part of an unevenly split layer scan: its own count of the slots.
+            nc, nk, n = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
+            invals = invals[: nc + nk] + [x[:n] for x in invals[nc + nk :]]
         if eqn.primitive.name == "sharding_constraint":
             # Outside eqn_context: the equation's own context holds the mesh it was traced
             # under (none), not the shard_map's.
@@ -955,9 +1000,31 @@ def _run_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
             with eqn_context(eqn):
                 out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
         outs = guard_scatter_result(eqn, out if eqn.primitive.multiple_results else [out])
+        if slots is not None:
+            nk = eqn.params["num_carry"]
+            outs = list(outs[:nk]) + [_pad_slots(y, slots) for y in outs[nk:]]
         for v, o in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, DropVar):
                 env[v] = o
+
+
+def _scan_slots(eqn: Any, invals: Sequence[Any]) -> int | None:
+    """The slots of a layer scan whose stacked operands hold more layers than it runs
+    (a stage of an uneven split: :attr:`autopar.lower.stages.StageCut.uneven_stacks`),
+    else ``None`` (a scan's ``xs`` are otherwise exactly ``length`` long)."""
+    if eqn.primitive.name != "scan":
+        return None
+    first = eqn.params["num_consts"] + eqn.params["num_carry"]
+    xs = invals[first:]
+    if not xs or jnp.shape(xs[0])[0] == eqn.params["length"]:
+        return None
+    return int(jnp.shape(xs[0])[0])
+
+
+def _pad_slots(y: Any, slots: int) -> Any:
+    """A stage's stacked result over its own layers, padded with zeros to ``slots``."""
+    pad = slots - y.shape[0]
+    return jnp.concatenate([y, jnp.zeros((pad, *y.shape[1:]), y.dtype)]) if pad else y
 
 
 def _constrain_in_context(eqn: Any, x: Any) -> Any:

@@ -69,7 +69,9 @@ class PipelineProgram:
         relayout_bytes: their sum: what the busiest device sends per step for the
             relayout (every device sends at most this).
         relayout_copy_bytes: the stack in chunk order, held beside the stack as given
-            while the ticks run (per device: ``v`` chunks of every stacked input).
+            while the ticks run (per device: ``v`` chunks of every stacked input); with
+            a stack split unevenly over the stages, also the slots each device takes
+            from it (``v`` chunks of the largest stage's count, padding included).
         recomputed_bytes: with stages rematerialised (``plan.pipeline.stage_remat``), the
             most any of them re-creates in one backward tick: what its stash held
             without remat (per device), a layer scan's residuals one layer's worth (the
@@ -189,7 +191,8 @@ def pipeline_program(
         virtual_stages=schedule.virtual_stages,
         relayout_sends=relayout,
         relayout_bytes=float(sum(relayout)),
-        relayout_copy_bytes=_relayout_copy(cut, plan, schedule, pipe_axis) if relayout else 0.0,
+        relayout_copy_bytes=(_relayout_copy(cut, plan, schedule, pipe_axis) if relayout else 0.0)
+        + _uneven_copy(cut, plan, schedule, pipe_axis),
         recomputed_bytes=max(
             (
                 # a layer scan's residuals are re-created one layer at a time
@@ -347,6 +350,26 @@ def _relayout_copy(cut: Any, plan: Plan, schedule: Any, pipe_axis: str) -> float
     invars = cut.jaxpr.jaxpr.invars
     total = 0.0
     for i in cut.stacked_inputs:
+        spec = plan.inputs[i].spec if i < len(plan.inputs) else ()
+        axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        split = math.prod(plan.mesh.get(a, 1) for a in axes if a != pipe_axis)
+        total += schedule.virtual_stages * _nbytes(cut.aval(invars[i])) / split
+    return float(total)
+
+
+def _uneven_copy(cut: Any, plan: Plan, schedule: Any, pipe_axis: str) -> float:
+    """Bytes per device of the slots a device takes from each unevenly split stack
+    (:attr:`autopar.lower.stages.StageCut.uneven_stacks`: ``v`` chunks of ``n`` slots,
+    the largest stage's count, padding included), held beside the whole stack while the
+    ticks run; split over the other mesh axes as the plan splits the stack.
+
+    Example: 5 layers of 1 KiB on 2 stages as (3, 2): 3 slots, 3 KiB per device.
+    """
+    invars = cut.jaxpr.jaxpr.invars
+    total = 0.0
+    for kind, i in cut.uneven_stacks:
+        if kind != "in":
+            continue
         spec = plan.inputs[i].spec if i < len(plan.inputs) else ()
         axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
         split = math.prod(plan.mesh.get(a, 1) for a in axes if a != pipe_axis)

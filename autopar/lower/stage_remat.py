@@ -262,7 +262,8 @@ def remat_stages(cut: StageCut, policies: Sequence[str]) -> StageCut:
         for ls in _layer_scans(fwd, bwd):
             new_f, new_b, h = _per_layer(f_eqns[ls.f], b_eqns[ls.b], ls.residuals)
             f_eqns[ls.f], b_eqns[ls.b] = new_f, new_b
-            n = int(new_f.params["length"])
+            # slots of the stage's slice (an uneven split's stage may run fewer layers)
+            n = int(cut.aval(next(iter(ls.residuals))).shape[0])
             for v in h:
                 local[v] = v.aval.update(shape=(n, *v.aval.shape[1:]))
             dropped |= ls.residuals

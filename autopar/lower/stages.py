@@ -19,10 +19,11 @@ The runtime that runs the cut is :mod:`autopar.lower.pipeline`.
      by every piece that needs them instead of being sent;
    * an equation reading a value made later on the chain moves later (never earlier);
    * a ``scan`` over layers (``nn.scan``/``lax.scan``: the tracer's ``"scan"`` layers) is
-     split: each stage runs the same body over its own ``L/p`` slice of the stacked inputs
-     (``xs``), the carry flows to the next stage, and the stacked outputs (``ys``: the
-     forward scan's residuals, the backward scan's stacked gradients) stay on the stage
-     that made their slice.
+     split: each stage runs the same body over its own slice of the stacked inputs
+     (``xs``: ``L/p`` layers when the stages split the stack evenly; otherwise each its
+     own count, in ``max`` slots: :attr:`StageCut.uneven_stacks`), the carry flows to the
+     next stage, and the stacked outputs (``ys``: the forward scan's residuals, the
+     backward scan's stacked gradients) stay on the stage that made their slice.
 
    Values then travel along the chain: a value made at position ``a`` and read at ``b``
    rides in every boundary between them (a forward value read by the backward piece of
@@ -49,7 +50,7 @@ import functools  # noqa: F401 - used by the docstring examples
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jax
@@ -117,6 +118,16 @@ class StageCut:
         stacked_outputs: indices of ``G``'s flat outputs that are stacked per stage.
         local_avals: per-device shape of each stacked value (layer axis ``L/p``).
         in_tree / out_tree: pytree structures of ``G``'s ``(args, kwargs)`` and outputs.
+        uneven_stacks: the inputs (``("in", i)``) and outputs (``("out", i)``) of ``G``
+            that are a scanned stack split unevenly over the stages, each with per stage
+            its ``(first layer, count)`` within the stack. The stage program is SPMD, so
+            each stage holds ``n = max count`` slots of such a stack (``local_avals``),
+            the slots past its count empty (zeros, never read: its scan runs ``count``
+            iterations). Such an input comes whole (replicated over ``pipe``; it cannot
+            be split over ``pipe`` in equal blocks) and each device takes its slots; such
+            an output (a stack's gradient) is scattered back to the whole stack and
+            summed over ``pipe``. They are in neither ``stacked_inputs`` nor
+            ``stacked_outputs``.
         layer_recomputed: after :func:`autopar.lower.stage_remat.remat_stages`, the
             stacked residuals of a layer scan that its stage's backward re-creates one
             layer at a time (value -> the stage's layers in it); ``None`` otherwise.
@@ -133,6 +144,9 @@ class StageCut:
     in_tree: Any = None
     out_tree: Any = None
     layer_recomputed: Mapping[Var, int] | None = None
+    uneven_stacks: Mapping[tuple[str, int], tuple[tuple[int, int], ...]] = field(
+        default_factory=dict
+    )
 
     def forward(self, stage: int) -> Piece:
         """Stage ``stage``'s forward piece."""
@@ -180,8 +194,8 @@ def cut_stages(
             ``autopar.trace(jax.value_and_grad(loss), params, microbatch)``. Its layers
             (``graph.layers``) say which equations belong to which layer.
         stage_layers: per stage, the ``[start, stop)`` range of ``graph.layers`` it runs;
-            contiguous, in order, covering every layer. A scanned layer stack must split
-            evenly (each stage ``L/p`` of its ``L`` layers).
+            contiguous, in order, covering every layer. A scanned layer stack may split
+            unevenly (:attr:`StageCut.uneven_stacks`).
         batch_inputs: indices of ``G``'s flat inputs that are microbatch data (default:
             the inputs the tracer gave role ``"batch"``).
 
@@ -189,8 +203,7 @@ def cut_stages(
         The :class:`StageCut`.
 
     Raises:
-        LowerPlanError: bad ranges, no layers, a scanned stack that does not split evenly,
-            or a value that cannot reach its reader (the message names it).
+        LowerPlanError: bad ranges, no layers, or a value that cannot reach its reader (the message names it).
 
     Example:
         >>> ws = [jnp.eye(4)] * 4
@@ -280,17 +293,16 @@ class _Cutter:
                 if lay.kind == "scan":
                     split[k] = (n.layer, n.length)
         self.split = split
+        # Layers of each stack per stage: a stage runs its own count; every stage's slice
+        # of the stack has the largest count's slots (the stage program is SPMD), the
+        # empty slots padding (:attr:`StageCut.uneven_stacks`).
+        self.counts: dict[int, tuple[int, ...]] = {}
+        self.firsts: dict[int, tuple[int, ...]] = {}
         for k, (g0, length) in split.items():
-            per = [
+            self.counts[k] = tuple(
                 max(0, min(b, g0 + length) - max(a, g0)) for (a, b) in self.ranges
-            ]  # layers of the stack per stage
-            if any(c != length // p for c in per) or length % p:
-                raise LowerPlanError(
-                    f"the scanned layer stack of equation {k} (layers {g0}..{g0 + length - 1}) "
-                    f"splits {per} over the {p} stages; a scanned stack must split evenly "
-                    f"(each stage {length}/{p} layers): choose stage ranges that cut it into "
-                    f"equal parts, or unroll the layers"
-                )
+            )
+            self.firsts[k] = tuple(min(max(a, g0), g0 + length) - g0 for (a, _) in self.ranges)
             e = self.eqns[k]
             if e.params.get("reverse", False) != (nodes[k].phase == "backward"):
                 raise LowerPlanError(
@@ -298,7 +310,8 @@ class _Cutter:
                     f"{'backwards' if e.params.get('reverse') else 'forwards'}; a pipeline "
                     f"needs forward scans in the forward pass and reverse scans in the backward"
                 )
-        self.n_local = {k: length // p for k, (_, length) in split.items()}
+        self.n_local = {k: max(c) for k, c in self.counts.items()}
+        self.uneven = {k for k, c in self.counts.items() if len(set(c)) > 1}
 
         # An output that is a sum (``add_any`` of gradient contributions: a tied
         # embedding's input and output uses) is accumulated part by part where each part
@@ -343,6 +356,11 @@ class _Cutter:
                 pos[k] = max(pos[k], self._out_position(src, a, pos))
         self.pos = pos
         return self._build()
+
+    def _layout(self, k: int) -> tuple[tuple[int, int], ...]:
+        """Per stage, the first layer (within the stack) and the count of split scan
+        ``k``'s layers it runs."""
+        return tuple(zip(self.firsts[k], self.counts[k], strict=True))
 
     def _parts(self, v: Any, uses: Counter) -> list[Any]:
         k = self.producer.get(v) if isinstance(v, Var) else None
@@ -422,11 +440,13 @@ class _Cutter:
             for j, q in enumerate(parts):
                 last = j == len(parts) - 1
                 outs = list(e.outvars[:nk]) if last else [Var(v.aval) for v in e.outvars[:nk]]
+                # A stage with fewer layers than slots scans its own count: its xs are
+                # sliced to it and its ys padded back to the slots (pipeline._run_eqns).
                 new = new_jaxpr_eqn(
                     list(e.invars[:nc]) + carry + list(xs),
                     outs + list(ys),
                     e.primitive,
-                    dict(e.params, length=n),
+                    dict(e.params, length=self.counts[k][q if q < p else 2 * p - 1 - q]),
                     e.effects,
                     e.source_info,
                     e.ctx,
@@ -442,8 +462,11 @@ class _Cutter:
         self.stacked = stacked
 
         stacked_inputs = set()
+        uneven_stacks: dict[tuple[str, int], tuple[tuple[int, int], ...]] = {}
         for v, k in stacked.items():
-            if v in self.invar_index:
+            if v in self.invar_index and k in self.uneven:
+                uneven_stacks[("in", self.invar_index[v])] = self._layout(k)
+            elif v in self.invar_index:
                 stacked_inputs.add(self.invar_index[v])
             elif v in self.producer and self.producer[v] not in self.split:
                 src = self.producer[v]
@@ -522,7 +545,9 @@ class _Cutter:
                     f"output {i} of the step ({v.aval.str_short()}) depends on no input; "
                     f"return it outside the pipelined gradient function"
                 )
-            if made_at[v] == _SPLIT:
+            if made_at[v] == _SPLIT and src in self.uneven:
+                uneven_stacks[("out", i)] = self._layout(src)
+            elif made_at[v] == _SPLIT:
                 stacked_outputs.append(i)
             out_pos.append((i, v, made_at[v]))
         for v in stacked:
@@ -591,6 +616,7 @@ class _Cutter:
             stacked_inputs=tuple(sorted(stacked_inputs)),
             stacked_outputs=tuple(stacked_outputs),
             local_avals=local_avals,
+            uneven_stacks=uneven_stacks,
             in_tree=getattr(self.graph, "in_tree", None),
             out_tree=getattr(self.graph, "out_tree", None),
         )

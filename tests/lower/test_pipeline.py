@@ -557,7 +557,7 @@ def test_scanned_cut_shards_the_stack_and_keeps_residuals_local():
 # -- errors --------------------------------------------------------------------------------
 
 
-def test_cut_rejects_bad_ranges_and_uneven_scans():
+def test_cut_rejects_bad_ranges_and_pads_uneven_scans():
     loss, params, batch = _gpt(True, 4)
     micro = jax.tree.map(lambda x: x[:4], batch)
     graph = autopar.trace(jax.value_and_grad(loss), params, micro)
@@ -565,8 +565,12 @@ def test_cut_rejects_bad_ranges_and_uneven_scans():
         cut_stages(graph, [(0, 2), (3, 4)])
     with pytest.raises(LowerPlanError, match="must stop at 4"):
         cut_stages(graph, [(0, 2), (2, 3)])
-    with pytest.raises(LowerPlanError, match="split evenly"):
-        cut_stages(graph, [(0, 1), (1, 4)])
+    # An uneven split of the scanned stack (1 + 3 layers): both stages hold 3 slots, the
+    # stack's leaves come whole (not split over pipe) and the stages take their layers.
+    cut = cut_stages(graph, [(0, 1), (1, 4)])
+    assert cut.stacked_inputs == () and cut.stacked_outputs == ()
+    assert len(cut.uneven_stacks) == 2 * 16  # every leaf of the block, in and out
+    assert set(cut.uneven_stacks.values()) == {((0, 1), (1, 3))}
 
 
 def test_pipeline_rejects_mesh_mismatch():
