@@ -196,8 +196,11 @@ def _plan_pipeline(
 ) -> Plan:
     """A pipeline plan for a mesh with a ``pipe`` axis (the simple search of this version).
 
-    The layers are split evenly over the stages, in the options' schedule (1F1B by
-    default) and microbatches (``2 * pipe`` by default). Inside the stages two candidates
+    The layers are split over the stages evenly and, where it differs, by the inter-op
+    split (:func:`_stage_splits`: Alpa's objective on the per-layer seconds; a stage
+    count need not divide the layers, scanned stacks included), both priced, in the
+    options' schedule (1F1B by default) and microbatches (``2 * pipe`` by default).
+    Inside the stages two candidates
     are priced by :func:`autopar.search.stages.evaluate_pipeline` and the faster that fits
     is returned: data parallel over the other axes, and the intra-op plan the search finds
     for one microbatch on the mesh without ``pipe`` (memory bound: a stage's share,
@@ -264,15 +267,20 @@ def _plan_pipeline(
             pass  # the stages' share may fit though the whole step does not
     # Remat is a memory lever: tried when the options say so, or when nothing fits without.
     remats = [options.remat] if options.remat is not None else ["none", "full"]
+    splits = _stage_splits(graph, cluster, options, sub, acc, pipe * v, remats)
     priced: list[tuple] = []
     for remat in remats:
         if priced and any(not bad for bad, *_ in priced):
             break
+        # The even split, and the inter-op split where it differs: each priced in full.
+        split = splits.get(remat)
         for inner in inners:
-            plan, ev = price_pipeline(
-                fn, args, graph, cluster, options.mesh, m, schedule, v, remat, inner, acc, limit
-            )
-            priced.append((not ev.fits, ev.step_time_s, len(priced), plan, ev))
+            for stages in (None,) if split is None else (None, split):
+                plan, ev = price_pipeline(
+                    fn, args, graph, cluster, options.mesh, m, schedule, v, remat, inner, acc,
+                    limit, stages=stages,
+                )  # fmt: skip
+                priced.append((not ev.fits, ev.step_time_s, len(priced), plan, ev))
     bad, _, index, plan, ev = min(priced, key=lambda t: t[:3])
     if bad:
         _, _, _, small, sev = min(priced, key=lambda t: t[4].memory_bytes_per_device)
@@ -287,6 +295,41 @@ def _plan_pipeline(
         )
     others = [candidate(q.name, q.mesh, e) for *_, i, q, e in priced if i != index]
     return finish(plan, ev, cluster, rank(candidate(plan.name, plan.mesh, ev), others, limit))
+
+
+def _stage_splits(
+    graph: Graph, cluster: Any, options: SearchOptions, sub: Mapping[str, int], acc: Any,
+    chunks: int, remats: Sequence[str],
+) -> dict[str, tuple[tuple[int, int], ...]]:  # fmt: skip
+    """Per stage remat policy, the inter-op split of the layers into ``chunks`` stages
+    (:func:`autopar.search.interop.split_stages`: Alpa's objective, the smallest
+    bottleneck) from one microbatch's per-layer seconds on the mesh without ``pipe``
+    (:func:`autopar.search.outer.profile`: the embedding with the first layer, the head
+    with the last; full remat runs each layer's forward twice), where it differs from
+    the even split; unrolled or scanned stacks alike (a scanned stack split unevenly runs
+    in padded slots: :attr:`autopar.lower.stages.StageCut.uneven_stacks`).
+
+    Example: a heavy head on the last of 6 layers, 2 stages: ``{"none": ((0, 5), (5, 6))}``.
+    """
+    from autopar.lower.split import even_stages
+    from autopar.search.interop import split_stages
+    from autopar.search.outer import profile
+
+    n = len(graph.layers)
+    if n < chunks or chunks < 2:
+        return {}
+    prof = profile(graph, cluster, options, dict(sub) or {"data": 1}, acc)
+    fwd, bwd = prof.layer_forward_s, prof.layer_backward_s
+    if len(fwd) != n or len(bwd) != n:
+        return {}
+    out = {}
+    for remat in remats:
+        redo = 1.0 if remat == "full" else 0.0
+        costs = [f * (1 + redo) + b for f, b in zip(fwd, bwd, strict=True)]
+        stages = split_stages(costs, chunks)
+        if stages is not None and stages != even_stages(n, chunks):
+            out[remat] = stages
+    return out
 
 
 def _finish_plan(p: Plan, graph: Graph) -> Plan:

@@ -22,7 +22,11 @@ the device that runs it with a few ``ppermute`` rounds (:func:`stack_relayout`: 
 sends only the chunks it must, at most ``v``) and the stack's gradients back the same way.
 
 Parameters: a scanned layer stack's inputs are sharded over ``pipe`` on their layer axis,
-so each device holds only its stage's layers. Other parameters (unrolled layers,
+so each device holds only its stage's layers. A stack the stages split unevenly
+(:attr:`~autopar.lower.stages.StageCut.uneven_stacks`: 5 layers as 3 + 2) comes whole
+instead; every device takes ``v`` chunks of ``n`` slots from it (``n`` the largest
+stage's count; a shorter stage's last slots are zero padding its scan never reads), and
+the stack's gradients go back scattered to their layers and summed over ``pipe``. Other parameters (unrolled layers,
 embeddings) are replicated over ``pipe`` in this version; their gradients are summed over
 ``pipe`` at the end (only the owning stage's contribution is non-zero).
 

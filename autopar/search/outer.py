@@ -15,8 +15,8 @@ It runs in three steps, each priced by the planner's own model:
    identical layers and a scanned stack to one body), so a profile of GPT-3 175B costs a
    few seconds whatever the cluster.
 2. **Screen.** Every configuration (``pipe`` dividing the devices and at most the layer
-   count and dividing it; data replicas the rest; microbatch sizes dividing the
-   per-replica batch; 1F1B, interleaved 1F1B with 2 chunks when the layers divide; stage
+   count, dividing it or not; data replicas the rest; microbatch sizes dividing the
+   per-replica batch; 1F1B, interleaved 1F1B with 2 chunks when there are layers for them; stage
    remat none or full) is estimated from its group's profile in closed form
    (:func:`screen`): stages of ``1/p`` of the work (an unrolled stack, not
    interleaved: the inter-op split of :mod:`autopar.search.interop` from the profile's
@@ -250,7 +250,9 @@ def configurations(
     graph: Graph, cluster: Any, options: SearchOptions, groups: Iterable[Mapping[str, int]]
 ) -> list[PipelineConfig]:
     """Every configuration the options leave open (see the module docstring), the
-    un-microbatched ``pipe = 1`` ones excepted (the intra-op search prices those).
+    un-microbatched ``pipe = 1`` ones excepted (the intra-op search prices those). A
+    stage count (times ``virtual_stages``) is at most the layer count and need not
+    divide it: the stages then split the layers unevenly.
 
     Example:
         >>> cs = configurations(graph, Cluster.preset("dgx-a100-80gb"), SearchOptions(), [{}])
@@ -268,7 +270,10 @@ def configurations(
         if n % k:
             continue
         for p in _divisors(n // k):
-            if layers % p or (fixed_pipe is not None and p != fixed_pipe):
+            # A stage count need not divide the layers: the stages then split them
+            # unevenly (the inter-op split; a scanned stack in padded slots), each at
+            # least one layer.
+            if p > max(layers, 1) or (fixed_pipe is not None and p != fixed_pipe):
                 continue
             if p > 1 and options.zero_stage not in (None, 0):
                 continue  # ZeRO over data is not run inside pipeline stages
@@ -291,7 +296,7 @@ def configurations(
                     v = 1
                     if sched == "interleaved-1f1b":
                         v = options.virtual_stages or 2
-                        if layers % (p * v) or m % p:
+                        if layers < p * v or m % p:
                             continue
                     elif options.virtual_stages not in (None, 1):
                         continue
