@@ -252,7 +252,8 @@ def configurations(
     """Every configuration the options leave open (see the module docstring), the
     un-microbatched ``pipe = 1`` ones excepted (the intra-op search prices those). A
     stage count (times ``virtual_stages``) is at most the layer count and need not
-    divide it: the stages then split the layers unevenly.
+    divide it: the stages then split the layers unevenly (a scanned stack: only at the
+    stage count the options fix, ``pipeline_stages``).
 
     Example:
         >>> cs = configurations(graph, Cluster.preset("dgx-a100-80gb"), SearchOptions(), [{}])
@@ -260,6 +261,7 @@ def configurations(
         [1, 2]
     """
     n, layers = cluster.num_devices, len(graph.layers)
+    scanned = any(layer.kind == "scan" for layer in graph.layers)
     batch = batch_size(graph)
     fixed_pipe = options.pipeline_stages
     schedules = [options.schedule] if options.schedule else ["1f1b", "interleaved-1f1b"]
@@ -271,9 +273,14 @@ def configurations(
             continue
         for p in _divisors(n // k):
             # A stage count need not divide the layers: the stages then split them
-            # unevenly (the inter-op split; a scanned stack in padded slots), each at
-            # least one layer.
+            # unevenly (the inter-op split), each at least one layer. A scanned stack
+            # split unevenly comes whole to every pipe device (padded slots:
+            # autopar.lower.stages.StageCut.uneven_stacks), which the screen does not
+            # price (it splits a scanned stack's state over pipe), so for a scanned
+            # stack only when the options fix that stage count.
             if p > max(layers, 1) or (fixed_pipe is not None and p != fixed_pipe):
+                continue
+            if scanned and layers % p and fixed_pipe is None:
                 continue
             if p > 1 and options.zero_stage not in (None, 0):
                 continue  # ZeRO over data is not run inside pipeline stages
@@ -296,7 +303,7 @@ def configurations(
                     v = 1
                     if sched == "interleaved-1f1b":
                         v = options.virtual_stages or 2
-                        if layers < p * v or m % p:
+                        if layers < p * v or m % p or (scanned and layers % (p * v) and fixed_pipe is None):
                             continue
                     elif options.virtual_stages not in (None, 1):
                         continue

@@ -34,7 +34,7 @@ def test_five_equal_layers_on_two_and_four_stages():
     assert pipeline_time([1.0] * 5, ((0, 3), (3, 5)), 4) == 14.0
 
 
-def _loss(ws, batch):
+def _scanned_loss(ws, batch):
     def layer(h, w):
         return jnp.tanh(h @ w["w"] + w["b"]), None
 
@@ -42,37 +42,64 @@ def _loss(ws, batch):
     return jnp.mean((h - batch["y"]) ** 2)
 
 
-def _step(ws, batch):
-    loss, grads = jax.value_and_grad(_loss)(ws, batch)
-    return jax.tree.map(lambda w, g: w - 0.1 * g, ws, grads), loss
+def _unrolled_loss(ws, batch):
+    h = batch["x"]
+    for k in range(LAYERS):
+        h = jnp.tanh(h @ ws["w"][k] + ws["b"][k])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _step(loss):
+    def step(ws, batch):
+        value, grads = jax.value_and_grad(loss)(ws, batch)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, ws, grads), value
+
+    return step
 
 
 @functools.cache
-def _graph():
-    ws = {
-        "w": jax.ShapeDtypeStruct((LAYERS, WIDTH, WIDTH), jnp.float32),
-        "b": jax.ShapeDtypeStruct((LAYERS, WIDTH), jnp.float32),
-    }
+def _graph(scanned: bool):
+    if scanned:
+        ws = {
+            "w": jax.ShapeDtypeStruct((LAYERS, WIDTH, WIDTH), jnp.float32),
+            "b": jax.ShapeDtypeStruct((LAYERS, WIDTH), jnp.float32),
+        }
+    else:
+        ws = {
+            "w": [jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32)] * LAYERS,
+            "b": [jax.ShapeDtypeStruct((WIDTH,), jnp.float32)] * LAYERS,
+        }
     batch = {
         "x": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
         "y": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
     }
-    return autopar.trace(_step, ws, batch)
+    return autopar.trace(_step(_scanned_loss if scanned else _unrolled_loss), ws, batch)
+
+
+EIGHT = Cluster.preset("dgx-a100-80gb", nodes=2, devices_per_node=4)
 
 
 def test_configurations_offer_stage_counts_that_do_not_divide_the_layers():
-    graph = _graph()
+    graph = _graph(False)
     assert len(graph.layers) == LAYERS
-    cluster = Cluster.preset("dgx-a100-80gb", nodes=2, devices_per_node=4)
-    configs = configurations(graph, cluster, SearchOptions(), [{}])
+    configs = configurations(graph, EIGHT, SearchOptions(), [{}])
     # 8 devices: pipe 1, 2, 4 (8 would leave stages without a layer); 5 layers divide by
-    # neither 2 nor 4, both are offered now
+    # neither 2 nor 4, both are offered
     assert {c.pipe for c in configs} == {1, 2, 4}
     # interleaved: 2 stages x 2 chunks = 4 <= 5 layers; 4 x 2 = 8 > 5: not offered
     inter = {c.pipe for c in configs if c.schedule == "interleaved-1f1b"}
     assert inter == {2}
     for c in configs:
         assert c.pipe * c.virtual_stages <= LAYERS
+
+
+def test_a_scanned_stack_splits_unevenly_at_a_fixed_stage_count_only():
+    graph = _graph(True)
+    assert [layer.kind for layer in graph.layers] == ["scan"] * LAYERS
+    # The screen prices a scanned stack split over pipe; an uneven one comes whole.
+    assert {c.pipe for c in configurations(graph, EIGHT, SearchOptions(), [{}])} == {1}
+    fixed = configurations(graph, EIGHT, SearchOptions(pipeline_stages=2), [{}])
+    assert {c.pipe for c in fixed} == {2}
 
 
 @functools.cache
