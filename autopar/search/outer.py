@@ -604,6 +604,86 @@ def _next_finalist(
     return None if pick is None else pick[-1]
 
 
+def _cannot_win(s: Screened, floor: float, best: float) -> bool:
+    """Whether the screened configuration ``s`` cannot beat ``best`` (the fastest priced
+    plan that fits): its screened step time times ``floor`` (the least priced / screened
+    ratio known for it, :func:`_screen_floor`) is at least ``best``.
+
+    The screen runs ahead of the full price (it leaves out the reshards and collectives
+    the layouts add at the whole batch's size, and a pipeline's boundary layouts):
+    t5-1b-4+4 on two DGX A100 nodes priced 1.75x its screen without a pipeline and 3.2x
+    with one. So a configuration whose screen, scaled by the least excess seen, is not
+    under the best price cannot win, and pricing it (solves of tens of seconds on a
+    48-block encoder-decoder, and a trace of the step per new microbatch count) only
+    costs time. With this test only after :data:`_FEWEST` finalists, t5-1b priced three
+    finalists that all lost to the un-pipelined plan (80-250 s each).
+
+    Example: screened at 60 ms, at least 1.75x over it when priced: at least 105 ms, so
+    it cannot beat a 104.5 ms plan (it could beat 110 ms).
+
+        >>> s = Screened(PipelineConfig(1, {}, 16, 2, 1), 0.060, 6e9)
+        >>> _cannot_win(s, 1.75, 0.1045), _cannot_win(s, 1.75, 0.110)
+        (True, False)
+    """
+    return s.step_time_s * floor >= best
+
+
+def _screen_floor(
+    s: Screened, ratios: Mapping[bool, list[float]], plain: Mapping[tuple, float]
+) -> float:
+    """The least priced / screened step-time ratio known for ``s``: its kind's finalists'
+    (``ratios``: pipelined or not) and, for its model group, the whole cluster's mesh of
+    that group priced by the intra-op search beside its screen as one microbatch
+    (``plain``: group -> ratio, :func:`_plain_ratios`; it counts for pipelines too, whose
+    stages run the same layers and whose screen leaves out what that one does, and
+    more); 1 when none is known.
+
+    The group's own mesh, not every mesh: the screen scales the profiled microbatch
+    linearly to the examples a configuration runs, and larger matmuls price nearer peak,
+    so a group whose whole-cluster mesh runs many examples per replica (t5-1b-4+4's
+    ``data 2 x tensor 8``, 16) prices under its screen (0.76x) while ``data 16`` (2
+    examples, the profiled size) prices 1.35x over it. A configuration of the group runs
+    at most as many examples per replica and microbatch as that mesh (it splits them
+    into microbatches), so its own excess is at least that mesh's.
+
+    Example:
+        >>> s = Screened(PipelineConfig(2, {"tensor": 2}, 4, 8, 1), 0.3, 5e10)
+        >>> _screen_floor(s, {True: [3.2], False: [1.2]}, {(("tensor", 2),): 1.4, (): 0.9})
+        1.4
+        >>> _screen_floor(s, {True: [1.1]}, {(("tensor", 2),): 1.4})
+        1.1
+        >>> _screen_floor(s, {}, {})
+        1.0
+    """
+    seen = list(ratios.get(s.config.pipe > 1, ()))
+    group = tuple(sorted(s.config.model.items()))
+    if group in plain:
+        seen.append(plain[group])
+    return min(seen, default=1.0)
+
+
+def _plain_ratios(
+    priced: Iterable[_Priced], profiles: Mapping[tuple, Profile], cluster: Any, batch: int
+) -> dict[tuple, float]:
+    """Per profiled model group, the priced / screened step time of the whole-cluster
+    mesh of that group the intra-op search priced (no microbatches, no pipeline; the
+    screen of ``PipelineConfig(1, group, data, 1, batch / data)``); the least if several."""
+    out: dict[tuple, float] = {}
+    for q in priced:
+        c = q.candidate
+        if c.step_time_s is None or c.step_time_s <= 0:  # not solved, or over the bound
+            continue
+        mesh = dict(c.mesh)
+        data = mesh.pop("data", 1)
+        key = tuple(sorted(mesh.items()))
+        if key not in profiles or batch % data:
+            continue
+        est = screen(PipelineConfig(1, mesh, data, 1, batch // data), profiles[key], cluster)
+        if est.step_time_s > 0:
+            out[key] = min(out.get(key, math.inf), c.step_time_s / est.step_time_s)
+    return out
+
+
 @dataclass
 class _Priced:
     label: str
@@ -701,6 +781,7 @@ def plan_outer(
         # mean for both stopped before any unpipelined plan was priced), beats the best
         # that fits.
         ratios: dict[bool, list[float]] = {}
+        plain_ratios = _plain_ratios(priced, profiles, cluster, batch)
         while len(taken) < FINALISTS + _RESCUES:
             # Past FINALISTS with nothing that fits: the smallest footprints (rescues).
             rescue = len(taken) >= FINALISTS
@@ -715,6 +796,13 @@ def plan_outer(
                 break
             s = screened[i]
             fit = [q.candidate.step_time_s for q in priced if _fits(q, limit)]
+            # Once the shortlist holds _FEWEST priced plans (the whole cluster's meshes
+            # count), a pick that cannot win ends the pricing: nor can the rest, the
+            # pick is the most promising left.
+            solved = sum(q.candidate.step_time_s is not None for q in priced)
+            floor = _screen_floor(s, ratios, plain_ratios)
+            if solved >= _FEWEST and fit and _cannot_win(s, floor, min(fit)):
+                break
             if len(taken) >= _FEWEST and fit and ratios:
                 if s.step_time_s * slower.get(s.config.pipe > 1, 1.0) >= min(fit):
                     break
