@@ -32,7 +32,10 @@ It runs in three steps, each priced by the planner's own model:
    own size.
 3. **Finalists.** The best screened configurations that fit (at least three, up to
    :data:`FINALISTS` while none fits or while the next one's screened time, corrected by
-   the mean priced/screened ratio of those priced so far, beats the best that fits; at
+   the mean priced/screened ratio of those priced so far, beats the best that fits;
+   none more, once three plans are priced (the whole cluster's meshes count), when the
+   next one's screened time times the least priced/screened ratio known for it
+   (:func:`_screen_floor`) does not beat the best that fits (:func:`_cannot_win`); at
    most two per stage count and group; picked one at a time: a group whose finalist
    priced over its screened memory has the rest of its screen scaled by that excess, a
    group not priced yet by the largest excess seen; when none of them fits, two more
