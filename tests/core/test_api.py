@@ -21,6 +21,14 @@ def mlp_step():
     return mlp.make_train_step(config, 32, abstract=False)
 
 
+@pytest.fixture(scope="module")
+def replicated_bytes(mlp_step) -> float:
+    """The MLP step's predicted bytes per device when nothing is split (one device)."""
+    step, (state, batch) = mlp_step
+    one = autopar.plan(step, state, batch, options=autopar.SearchOptions(mesh={"data": 1}))
+    return one.predicted.memory_bytes_per_device
+
+
 def _single_device_losses(step, state, batch, steps):
     f = jax.jit(step)
     losses = []
@@ -30,13 +38,12 @@ def _single_device_losses(step, state, batch, steps):
     return losses, state
 
 
-def test_decorated_step_matches_single_device(mlp_step, tmp_path):
+def test_decorated_step_matches_single_device(mlp_step, replicated_bytes, tmp_path):
     step, (state, batch) = mlp_step
     ref, ref_state = _single_device_losses(step, state, batch, 3)
     # Under half the replicated footprint the plan must split (a replicated plan would
     # pass the loss check without exercising any sharding).
-    one = autopar.plan(step, state, batch, options=autopar.SearchOptions(mesh={"data": 1}))
-    bound = 0.5 * one.predicted.memory_bytes_per_device
+    bound = 0.5 * replicated_bytes
     f = autopar.autoparallel(
         step,
         cluster="cpu-sim",
@@ -67,12 +74,9 @@ def test_decorated_step_matches_single_device(mlp_step, tmp_path):
     assert all(not x.is_deleted() for x in jax.tree.leaves(state))
 
 
-def test_replay_saved_plan_and_refuse_mismatch(mlp_step, tmp_path):
+def test_replay_saved_plan_and_refuse_mismatch(mlp_step, replicated_bytes, tmp_path):
     step, (state, batch) = mlp_step
-    one = autopar.plan(step, state, batch, options=autopar.SearchOptions(mesh={"data": 1}))
-    opts = autopar.SearchOptions(
-        mesh={"data": 8}, memory_limit_bytes=0.5 * one.predicted.memory_bytes_per_device
-    )
+    opts = autopar.SearchOptions(mesh={"data": 8}, memory_limit_bytes=0.5 * replicated_bytes)
     f = autopar.autoparallel(step, cluster="cpu-sim", options=opts, cache=False)
     plan = f.plan_for(state, batch)
     assert any(spec_axes(r.spec) == ("data",) for r in plan.inputs)  # the replay shards
