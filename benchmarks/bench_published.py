@@ -358,6 +358,10 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
             memory_gib=ev.memory_bytes_per_device / 2**30,
             compute_s=ev.compute_s,
             exposed_comm_s=ev.exposed_communication_s,
+            raw_compute_s=float(ev.extra.get("raw_compute_s", ev.compute_s)),
+            hideable_s=float(ev.extra.get("dp_grad_per_device_s", 0.0))
+            + float(ev.extra.get("fsdp_gather_per_device_s", 0.0)),
+            stage_exposed_s=float(ev.extra.get("stage_exposed_collectives_s", 0.0)),
             comm_by_class=dict(ev.communication_by_class),
             bubble_s=float(ev.extra.get("bubble_s", 0.0)) if ev.extra else 0.0,
         )
@@ -430,9 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         if "error" not in r:
             comm = ", ".join(f"{k} {v:.2f}" for k, v in r["comm_by_class"].items() if v > 0)
             print(
-                f"{r['row']}: step {r['step_s']:.2f} s = compute {r['compute_s']:.2f} + "
-                f"exposed comm {r['exposed_comm_s']:.2f} + bubble {r['bubble_s']:.2f} "
-                f"(comm by class, before overlap: {comm or 'none'})"
+                f"{r['row']}: step {r['step_s']:.2f} s (linear {r['linear_step_s']:.2f}); per "
+                f"device: raw compute {r['raw_compute_s']:.2f}, the stages' overlappable "
+                f"collectives {r['hideable_s']:.2f} and other collectives "
+                f"{r['stage_exposed_s']:.2f}, bubble {r['bubble_s']:.2f} (the schedule's "
+                f"comm by class: {comm or 'none'})"
             )
     if a.json:
         write_json(results, a.json)

@@ -527,6 +527,10 @@ def evaluate_pipeline(
             "after_flush_step_s": after_flush,
             "dp_grad_per_device_s": hide["dp_grad"],
             "fsdp_gather_per_device_s": hide["fsdp_gather"],
+            # the stages' other collectives per device (charged in full), and the stage
+            # work without any collective in it: what the overlap bound hides behind
+            "stage_exposed_collectives_s": exposed,
+            "raw_compute_s": max(compute - exposed - (1.0 - eta) * sum(hide.values()), 0.0),
             "p2p_s": sim_p2p,
             "p2p_from": "program" if prog is not None else "estimate",
             "peak_inflight": sim.peak_inflight,
