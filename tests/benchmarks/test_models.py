@@ -377,12 +377,7 @@ def test_chunked_attention_gpt_trains_like_full_attention():
     chunked = GPTConfig.preset("tiny", precision="fp32", attention_chunk=8)
     step, args = gpt.make_train_step(full, 4, abstract=False)
     step_c, _ = gpt.make_train_step(chunked, 4)  # the step only: its arguments are `args`
-    # The comparison needs the two programs' values, not fast code: compiled without
-    # XLA's backend (LLVM) optimisation, each compiles in ~60% of the time, same values.
-    (new, loss), (new_c, loss_c) = (
-        jax.jit(f).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
-        for f in (step, step_c)
-    )
+    (new, loss), (new_c, loss_c) = (_jit(f, *args)(*args) for f in (step, step_c))
     np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new_c), strict=True):
         np.testing.assert_allclose(b, a, atol=1e-5)
