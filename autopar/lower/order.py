@@ -145,7 +145,10 @@ def tie(value: Any, partner: Any, guard: str, predicate: Any = None) -> tuple[An
             partner_data = partner
         if jnp.size(partner_data):
             with jax.named_scope(GUARD_SCOPE):
-                first = jnp.ravel(partner_data)[0].astype(jnp.float32)
+                # One element, indexed in every dim: a sharded partner gives it from the
+                # shard that holds it (no ``ravel``, whose reshape can make the
+                # partitioner gather the whole partner first).
+                first = partner_data[(0,) * partner_data.ndim].astype(jnp.float32)
                 bits = jax.lax.bitcast_convert_type(first, jnp.int32)
                 predicate = predicate | (bits == 0x7EADBEEF)
         value = jax.lax.cond(predicate, lambda v: v, jnp.zeros_like, value)
