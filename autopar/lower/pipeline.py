@@ -26,7 +26,10 @@ so each device holds only its stage's layers. A stack the stages split unevenly
 (:attr:`~autopar.lower.stages.StageCut.uneven_stacks`: 5 layers as 3 + 2) comes whole
 instead; every device takes ``v`` chunks of ``n`` slots from it (``n`` the largest
 stage's count; a shorter stage's last slots are zero padding its scan never reads), and
-the stack's gradients go back scattered to their layers and summed over ``pipe``. Other parameters (unrolled layers,
+the stack's gradients go back scattered to their layers and summed over ``pipe``.
+A plan's pins that reshard a step input (a weight gathered for its matmul) are applied
+once per step before the ticks, as the cost model prices them, not in every forward and
+backward piece (:func:`_hoisted_layouts`). Other parameters (unrolled layers,
 embeddings) are replicated over ``pipe`` in this version; their gradients are summed over
 ``pipe`` at the end (only the owning stage's contribution is non-zero).
 
@@ -819,6 +822,10 @@ def _pipeline_body(
     chunked_in = set(cut.stacked_inputs) | uneven_in if v > 1 else set()
     chunked_out = set(cut.stacked_outputs) | uneven_out if v > 1 else set()
     relayout = stack_relayout(p_dev, v)
+    hoisted, hoisted_at = _hoisted_layouts(
+        cut, set(cut.batch_inputs) | set(cut.stacked_inputs) | uneven_in
+    )
+    n_in = len(cut.jaxpr.jaxpr.invars)
     tabs = _tables(sched)
     jaxpr = cut.jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, cut.jaxpr.consts, strict=True))
@@ -836,6 +843,9 @@ def _pipeline_body(
             s = pc.stage
             for i in pc.inputs:
                 env[jaxpr.invars[i]] = fixed[i][s // p_dev] if i in chunked_in else fixed[i]
+            for eqn in pc.eqns:  # reshards made once before the ticks
+                if eqn.outvars and eqn.outvars[0] in hoisted_at:
+                    env[eqn.outvars[0]] = fixed[n_in + hoisted_at[eqn.outvars[0]]]
             if pc.kind == "forward":
                 if s > 0:
                     env.update(zip(pc.recv, f_layout.unpack(s - 1, recv_f), strict=True))
@@ -843,7 +853,7 @@ def _pipeline_body(
                 if s < p - 1:
                     env.update(zip(pc.recv, b_layout.unpack(s, recv_b), strict=True))
                 env.update(zip(pc.stash, s_layout.unpack(s, stash_in), strict=True))
-            _run_eqns(pc.eqns, env)
+            _run_eqns([e for e in pc.eqns if not (e.outvars and e.outvars[0] in hoisted_at)], env)
             fsend, bsend, sout = f_layout.zeros(), b_layout.zeros(), s_layout.zeros()
             if pc.kind == "forward":
                 if s < p - 1:
@@ -884,6 +894,7 @@ def _pipeline_body(
         for i in batch:
             x = flat[i]
             micro_views[i] = x.reshape(x.shape[0] // m_count, m_count, *x.shape[1:])
+        fixed += [_constrain_in_context(eqn, flat[i]) for i, eqn in hoisted]
         for i in chunked_in - uneven_in:
             fixed[i] = relayout.to_chunks(flat[i], axis)
         for i in uneven_in:
@@ -953,6 +964,39 @@ def _pipeline_body(
         return tuple(back(i, a) for i, a in enumerate(accs))
 
     return body
+
+
+def _hoisted_layouts(cut: StageCut, skip: set[int]) -> tuple[list[tuple[int, Any]], dict[Any, int]]:
+    """The reshards of ``G``'s inputs (parameters replicated over ``pipe``) that the pieces
+    make with a ``sharding_constraint`` (a plan's pin: an FSDP-style weight gathered for
+    its matmul): the pipeline makes each once per step, before the ticks, as the cost
+    model prices a reshard of a step input (XLA hoists it out of a microbatch loop, but
+    not out of the tick loop's switch, where the forward and the backward piece of every
+    microbatch would each gather the weight again: ``2 m`` gathers per step, not 1).
+
+    Returns:
+        ``(input index, constraint equation)`` per distinct layout of an input, and for
+        every constraint equation it stands for, its result -> its index in that list.
+    """
+    jaxpr = cut.jaxpr.jaxpr
+    index = {v: i for i, v in enumerate(jaxpr.invars)}
+    hoisted: list[tuple[int, Any]] = []
+    slot: dict[tuple[int, Any], int] = {}
+    by_out: dict[Any, int] = {}
+    for pc in cut.pieces:
+        for eqn in pc.eqns:
+            if eqn.primitive.name != "sharding_constraint" or len(eqn.invars) != 1:
+                continue
+            a = eqn.invars[0]
+            spec = getattr(eqn.params["sharding"], "spec", None)
+            if not isinstance(a, Var) or a not in index or index[a] in skip or spec is None:
+                continue
+            key = (index[a], spec)
+            if key not in slot:
+                slot[key] = len(hoisted)
+                hoisted.append((index[a], eqn))
+            by_out[eqn.outvars[0]] = slot[key]
+    return hoisted, by_out
 
 
 def _uneven_slots(cut: StageCut, p: int, v: int) -> dict[tuple[str, int], np.ndarray]:
