@@ -15,11 +15,14 @@ predicted step time that fits the per-device memory bound. The step time compare
 solver's objective (:mod:`autopar.search.pricing`). Pipelining (a stage DP over layer
 ranges and sub-meshes, ``search/stages.py``) plugs in here, above :func:`solve_mesh`.
 
-Example: the 2-layer MLP train step on one node of 8 A100s.
+Example: the 2-layer MLP train step on one node of 8 A100s, under 4 MB per device (the
+replicated step holds 6.3 MB of weights and AdamW moments; unbounded, the cost model
+replicates this latency-bound step rather than pay a tensor all-reduce).
 
     >>> results = []
     >>> plan = plan_graph(autopar.trace(step, state, batch),
-    ...                   Cluster.preset("dgx-a100-80gb"), results=results)
+    ...                   Cluster.preset("dgx-a100-80gb"),
+    ...                   SearchOptions(memory_limit_bytes=4_000_000), results=results)
     >>> [dict(r.mesh) for r in results]   # the meshes solved
     [{'data': 8}, {'data': 2, 'tensor': 4}, {'data': 4, 'tensor': 2}]
     >>> plan.mesh, plan.layers[0].ops
@@ -192,9 +195,13 @@ def plan_graph(
 
     Example:
         >>> plan = plan_graph(graph, Cluster.preset("dgx-a100-80gb"),
-        ...                   SearchOptions(mesh={"data": 2, "tensor": 4}))
-        >>> plan.mesh, f"{plan.predicted.step_time_s * 1e6:.1f} us"
-        ({'data': 2, 'tensor': 4}, '16.7 us')
+        ...                   SearchOptions(mesh={"data": 2, "tensor": 4},
+        ...                                 memory_limit_bytes=4_000_000))
+        >>> plan.mesh, plan.predicted.memory_bytes_per_device < 4e6
+        ({'data': 2, 'tensor': 4}, True)
+        >>> p = plan.predicted   # one 64 KiB all-reduce over tensor, nothing overlaps it
+        >>> [(c.kind, c.bytes) for c in p.collectives], p.step_time_s == p.compute_s + p.exposed_communication_s
+        ([('all-reduce', 65536.0)], True)
     """
     options = options or SearchOptions()
     _check(options, cluster)
