@@ -199,9 +199,9 @@ def plan_graph(
         ...                                 memory_limit_bytes=4_000_000))
         >>> plan.mesh, plan.predicted.memory_bytes_per_device < 4e6
         ({'data': 2, 'tensor': 4}, True)
-        >>> p = plan.predicted   # one 64 KiB all-reduce over tensor, nothing overlaps it
-        >>> [(c.kind, c.bytes) for c in p.collectives], p.step_time_s == p.compute_s + p.exposed_communication_s
-        ([('all-reduce', 65536.0)], True)
+        >>> p = plan.predicted   # layer 1's row-parallel partial sums: 64 x 256 float32
+        >>> [(c.kind, c.axes, c.bytes) for c in p.collectives]
+        [('all-reduce', ('tensor',), 65536.0)]
     """
     options = options or SearchOptions()
     _check(options, cluster)
