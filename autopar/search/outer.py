@@ -86,6 +86,7 @@ _RESCUES = 2  # more, smallest screened footprint first, when no finalist fits
 _PER_SHAPE = 2  # at most this many finalists share a stage count and model group
 _TIGHTEN = 2  # inner solves per finalist, the second under a bound tightened by the excess
 _TIGHTER = 0.85  # ... to this fraction of what would just fit
+_FLOOR_SLACK = 1e-3  # a bound under the smallest footprint retries just over it
 _SCREEN_SLACK = 1.10  # a screened footprint up to this over the bound may still fit
 _UNTRACED = 0.02  # screened-time handicap of a microbatch count not traced yet (its trace
 # costs seconds to tens of seconds at scale; the screen is 10-30% off its full price)
@@ -306,7 +307,11 @@ def configurations(
                     v = 1
                     if sched == "interleaved-1f1b":
                         v = options.virtual_stages or 2
-                        if layers < p * v or m % p or (scanned and layers % (p * v) and fixed_pipe is None):
+                        if (
+                            layers < p * v
+                            or m % p
+                            or (scanned and layers % (p * v) and fixed_pipe is None)
+                        ):
                             continue
                     elif options.virtual_stages not in (None, 1):
                         continue
@@ -933,14 +938,30 @@ def _price(
     # the stage priced does not fit, once more under a bound tightened by its excess.
     bound = max(limit - screened.activation_bytes, limit / 4) * c.pipe / learned
     best: tuple[Plan, Any] | None = None
-    for _ in range(_TIGHTEN):
+    floor_tried = False
+    tries = 0
+    inner_bytes = math.inf  # the last inner layouts' memory: a retry must ask for less
+    while tries < _TIGHTEN:
         try:
             inner = plan_graph(
                 graph, cluster, _inner_options(options, c.sub_mesh, c.microbatches, bound),
                 accumulation=acc, name_by_role=True,
             )  # fmt: skip
-        except (InfeasiblePlanError, SolveShardingError):
+        except InfeasiblePlanError as e:
+            # A bound under the group's smallest footprint (what an earlier finalist's
+            # excess taught can overshoot: 1T GPT on 3072 A100s, pipe 64's stages priced
+            # 4.8x their screen, which put pipe 128's bound at half of what any layout
+            # needs): once, the tightest layouts there are, just over that footprint.
+            low = getattr(e, "smallest_bytes", None)
+            if floor_tried or low is None or not bound < low < inner_bytes:
+                break
+            floor_tried = True
+            bound = low * (1 + _FLOOR_SLACK)
+            continue
+        except SolveShardingError:
             break
+        tries += 1
+        inner_bytes = inner.predicted.memory_bytes_per_device
         plan, ev = priced(inner)
         if best is None or (ev.fits, -ev.step_time_s) > (best[1].fits, -best[1].step_time_s):
             best = (plan, ev)
