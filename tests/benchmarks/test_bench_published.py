@@ -74,17 +74,16 @@ def test_which_runs_reduce_gradients_after_the_flush():
 
 def test_zero3_175b_falls_as_published():
     """Table 2's ZeRO-3 175B rows (144 -> 88 -> 44 TFLOP/s per GPU on 384 -> 768 -> 1536
-    GPUs) come out of the planner's evaluation within the 20% target, falling: the
+    GPUs) come out of the planner's evaluation falling as published: the
     per-GPU gather volume is the same at every size (the whole model, per step), the
     compute per GPU halves with each doubling."""
     names = ["t2-zero3-175b-x384", "t2-zero3-175b-x768", "t2-zero3-175b-x1536"]
     rows = [bp.evaluate_run(run) for run in bp.published_runs(names)]
     for r in rows:
         assert "error" not in r, r.get("error")
-    # x384 is the validation page's one known ZeRO-3 miss since the fusion model (399aded)
-    # cheapened its compute: over-predicted, the gathers' exposure under the overlap bound
-    # (docs/cost-model-validation.md). Held to that miss so that a fix or a regression shows.
-    assert 0 < rows[0]["err"] <= 0.25, (rows[0]["row"], rows[0]["predicted"], rows[0]["published"])
+    # x384 misses the 20% target since the fusion model (399aded; +23.2%, the validation
+    # page's open item): the slow test_published_rows_within_their_targets holds it to the
+    # target, unchanged; here the two rows that meet it, and the fall.
     for r in rows[1:]:
         assert abs(r["err"]) <= 0.20, (r["row"], r["predicted"], r["published"])
     pred = [r["predicted"] for r in rows]
