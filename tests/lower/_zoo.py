@@ -174,3 +174,17 @@ def lowered_case(model: str, plan_name: str, shape: tuple[int, ...]) -> tuple[An
     step, args = zoo_args(model)
     plan = make_plan(plan_name, step, mesh_for(shape, plan_name), args)
     return plan, lower_plan(step, plan, args), args
+
+
+@functools.cache
+def heavy_head_gpt(scan: bool, abstract: bool = True) -> tuple[Callable, tuple]:
+    """A 6-layer tiny fp32 GPT whose 16384-word head outweighs a layer (batch 16): the
+    model whose pipeline stages split best unevenly. ``abstract=False``: concrete
+    arguments on the first device."""
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+
+    cfg = GPTConfig.preset("tiny", precision="fp32", layers=6, vocab_size=16384, scan_layers=scan)
+    step, args = make_train_step(cfg, 16, abstract=abstract)
+    if not abstract:
+        args = jax.device_put(args, jax.devices()[0])
+    return step, args

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import pytest
 
 import autopar
 from cost_models import Cluster
+from tests.lower._zoo import heavy_head_gpt
 
 TWO_NODES = Cluster.preset("dgx-a100-80gb", nodes=2, devices_per_node=4)
 M = 4
@@ -28,15 +28,8 @@ OPTIONS = autopar.SearchOptions(
 )
 
 
-@functools.cache
 def _gpt(abstract: bool = True):
-    from benchmarks.models.gpt import GPTConfig, make_train_step
-
-    cfg = GPTConfig.preset("tiny", precision="fp32", layers=6, vocab_size=16384, scan_layers=False)
-    step, args = make_train_step(cfg, 16, abstract=abstract)
-    if not abstract:
-        args = jax.device_put(args, jax.devices()[0])
-    return step, args
+    return heavy_head_gpt(False, abstract)
 
 
 @functools.cache

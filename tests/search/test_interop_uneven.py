@@ -20,6 +20,7 @@ from autopar.options import SearchOptions
 from autopar.search.interop import pipeline_time, split_stages
 from autopar.search.outer import configurations
 from cost_models import Cluster
+from tests.lower._zoo import heavy_head_gpt
 
 LAYERS, WIDTH, BATCH = 5, 16, 16
 
@@ -102,15 +103,8 @@ def test_a_scanned_stack_splits_unevenly_at_a_fixed_stage_count_only():
     assert {c.pipe for c in fixed} == {2}
 
 
-@functools.cache
 def _heavy_head(abstract: bool = True):
-    from benchmarks.models.gpt import GPTConfig, make_train_step
-
-    cfg = GPTConfig.preset("tiny", precision="fp32", layers=6, vocab_size=16384, scan_layers=True)
-    step, args = make_train_step(cfg, 16, abstract=abstract)
-    if not abstract:
-        args = jax.device_put(args, jax.devices()[0])
-    return step, args
+    return heavy_head_gpt(True, abstract)
 
 
 @functools.cache
