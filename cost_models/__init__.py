@@ -17,6 +17,7 @@ from cost_models.cluster import (
     Cluster,
     GroupLayout,
     LinkLevel,
+    group_members,
     torus_shape_for,
 )
 from cost_models.collectives import (
@@ -55,6 +56,7 @@ from cost_models.overlap import (
     EXPOSED_CLASSES,
     HIDEABLE_CLASSES,
     StepTime,
+    bound_linear_overlap,
     compose_step_time,
 )
 from cost_models.pipeline import ScheduleResult, TimelineEntry, simulate_schedule
@@ -105,7 +107,9 @@ __all__ = [
     "canonical_dtype",
     "collective_cost",
     "collective_time",
+    "bound_linear_overlap",
     "compose_step_time",
+    "group_members",
     "compute_time",
     "device_for_jax_kind",
     "dtype_bytes",
