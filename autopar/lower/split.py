@@ -172,7 +172,8 @@ def plan_accumulation(
             handoff[src] = None
     _check_forward_reductions(full, micro, grads, depends)
     counts = _batch_count_nodes(full, micro, grads, m)
-    rules = tuple(_rule(full, micro, k, j, m, depends, counts) for k, j in handoff)
+    counted = _reads_a_count(full, counts)
+    rules = tuple(_rule(full, micro, k, j, m, depends, counted) for k, j in handoff)
     return Accumulation(m, full, micro, grads, update, tuple(handoff), rules, batch, fn)
 
 
@@ -281,8 +282,20 @@ def _batch_count_nodes(full: Graph, micro: Graph, eqns: Sequence[int], m: int) -
     return out
 
 
+def _reads_a_count(full: Graph, counts: set[int]) -> set[int]:
+    """Equations whose computation holds a batch-count literal: those in ``counts`` and
+    every equation downstream of one (one pass in program order)."""
+    out: set[int] = set()
+    tainted: set[Any] = set()
+    for k, n in enumerate(full.nodes):
+        if k in counts or any(v in tainted for v in n.inputs):
+            out.add(k)
+            tainted.update(n.outputs)
+    return out
+
+
 def _rule(
-    full: Graph, micro: Graph, k: int, j: int, m: int, depends: set[int], counts: set[int]
+    full: Graph, micro: Graph, k: int, j: int, m: int, depends: set[int], counted: set[int]
 ) -> Rule:
     t_full, t_micro = full.nodes[k].out_tensors[j], micro.nodes[k].out_tensors[j]
     if t_full.shape != t_micro.shape:
@@ -300,17 +313,7 @@ def _rule(
     if full.nodes[k].outputs[j] not in depends:
         return "once"
     # Does the value's computation hold a batch-count literal?
-    producer = {v: kk for kk, n in enumerate(full.nodes) for v in n.outputs}
-    stack, seen = [k], set()
-    while stack:
-        kk = stack.pop()
-        if kk in seen:
-            continue
-        seen.add(kk)
-        if kk in counts:
-            return "mean"
-        stack.extend(producer[v] for v in full.nodes[kk].inputs if v in producer)
-    return "sum"
+    return "mean" if k in counted else "sum"
 
 
 def accumulated_function(

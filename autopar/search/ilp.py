@@ -309,12 +309,15 @@ def with_accumulators(bp: BuiltProblem, acc: Any) -> BuiltProblem:
     from autopar.trace.graph import TensorInfo
 
     full = {gi.index: gi for gi in acc.full.inputs}
+    # The first graph input of each input op (a value's input, found in one lookup).
+    input_of_op: dict[Any, Any] = {}
+    for g in bp.graph.inputs:
+        op = bp.input_ops.get(g.index)
+        if op is not None:
+            input_of_op.setdefault(op, g)
     persistent = []
     for v in bp.persistent:
-        gi = next(
-            (g for g in bp.graph.inputs if bp.input_ops.get(g.index) == getattr(v.ref, "op", None)),
-            None,
-        )
+        gi = input_of_op.get(getattr(v.ref, "op", None))
         if gi is not None and gi.index in acc.batch_inputs:
             v = replace(v, tensor=full[gi.index].tensor, category=ROLE_CATEGORY[gi.role])
         persistent.append(v)

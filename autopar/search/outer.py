@@ -482,12 +482,19 @@ def profile(
     from autopar.search.stages import evaluate_pipeline
 
     m = acc.microbatches
+    # The search's own solution prices the profile (an estimate for the screen; the
+    # finalists are solved and priced in full), not a second solve from its pins: on a
+    # 48-block encoder-decoder that halves each profile.
+    results: list[Any] = []
     inner = plan_graph(
         graph, cluster, _inner_options(options, model or {"data": 1}, m, _UNBOUNDED),
-        accumulation=acc,
+        accumulation=acc, results=results, polish=False,
     )  # fmt: skip
+    best = next(r for r in results if r.evaluation is not None and not r.skipped)
     one = replace(inner, pipeline=PipelinePlan(((0, len(graph.layers)),), "1f1b", m))
-    ev = evaluate_pipeline(graph, one, cluster, acc, per_layer=True)
+    ev = evaluate_pipeline(
+        graph, one, cluster, acc, per_layer=True, completed=(best.built, best.solution)
+    )
     bd = dict(ev.memory_breakdown)
     scanned = any(layer.kind == "scan" for layer in graph.layers)
     return Profile(

@@ -168,6 +168,7 @@ def plan_graph(
     results: list | None = None,
     accumulation: Any = None,
     name_by_role: bool = False,
+    polish: bool = True,
 ) -> Plan:
     """Search a parallel plan for a traced training step.
 
@@ -182,6 +183,10 @@ def plan_graph(
         name_by_role: name the axes of a fixed ``options.mesh`` by what the solution
             splits with them (as an open mesh's are: ``expert`` for an expert dimension,
             ``data`` for the batch, ...); the outer loop solves stage sub-meshes this way.
+        polish: solve the written plan's own problem once more and predict from it
+            (:func:`_polish`, the default: the prediction is what ``evaluate_plan``
+            reports). ``False`` keeps the search's solution (the outer loop's profiles,
+            estimates for its screen, read from ``results``).
 
     Returns:
         The plan with the lowest predicted step time that fits the memory bound; its
@@ -263,7 +268,11 @@ def plan_graph(
         per = batch // (m * replicas) if batch % (m * replicas) == 0 else None
         pipeline = PipelinePlan(pipeline.stages, pipeline.schedule, m, microbatch_size=per)
     plan = write_plan(best, graph, cluster, limit, pipeline)
-    plan, best = _polish(plan, best, tried, graph, cluster, options, limit, pipeline, accumulation)
+    if polish:
+        plan, best = _polish(
+            plan, best, tried, graph, cluster, options, limit, pipeline, accumulation
+        )
+
     if results is not None:
         results.extend(tried)
     return dataclasses.replace(plan, shortlist=_shortlist(plan, best, tried, limit))

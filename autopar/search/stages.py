@@ -284,6 +284,7 @@ def evaluate_pipeline(
     pipe_axis: str = "pipe",
     program: Any = None,
     per_layer: bool = False,
+    completed: tuple[Any, Any] | None = None,
 ) -> Evaluation:
     """Price a pipeline plan (see the module docstring).
 
@@ -302,6 +303,9 @@ def evaluate_pipeline(
             :func:`node_layers` places it: the embedding with the first layer, the head
             with the last): what the inter-op split (:mod:`autopar.search.interop`) sums
             over a stage's layers.
+        completed: the stages' problem already built and solved, ``(built, solution)``
+            (the outer loop's profiles: the intra-op search's own solution on the
+            sub-mesh, not solved again from the plan's pins).
 
     Raises:
         LoadPlanError: the plan's mesh has no ``pipe`` axis of the plan's stage count, or
@@ -331,10 +335,12 @@ def evaluate_pipeline(
     stacked_in = {i for i, r in enumerate(plan.inputs) if _on_pipe(r, pipe_axis)}
     # With the plan's pins (pipeline_activations) the stages are priced as the program
     # runs them; without, completed the way XLA's propagation would.
-    flat = _flat_plan(graph, plan, pipe_axis, keep_pins=True)
-    bp, sol = complete_layouts(
-        graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation
-    )
+    if completed is None:
+        flat = _flat_plan(graph, plan, pipe_axis, keep_pins=True)
+        completed = complete_layouts(
+            graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation
+        )
+    bp, sol = completed
     choice = sol.choice
     ctx, eta = bp.ctx, float(cluster.overlap_efficiency)
     micro = accumulation.micro
