@@ -389,7 +389,11 @@ class Pricing:
 
 
 def price_choice(
-    bp: BuiltProblem, choice: Sequence[int], rename: Mapping[str, str] | None = None
+    bp: BuiltProblem,
+    choice: Sequence[int],
+    rename: Mapping[str, str] | None = None,
+    *,
+    pieces: bool = False,
 ) -> Pricing:
     """Price ``choice`` for the built problem ``bp`` with :func:`price_strategy` and
     :func:`price_reshard`, op by op and read by read, as the ILP's costs were built.
@@ -404,6 +408,11 @@ def price_choice(
     by its axes or ``reshard`` and priced exposed, in the ILP as here. So
     ``step_time_s == compute_s + sum(weight(cls) * seconds)`` over ``emitted`` and
     ``combined`` plus ``merged_reshard_s``.
+
+    ``pieces``: the forward and the backward run as separate programs (a pipeline
+    stage's pieces, one per tick), so a reshard of a value computed per microbatch read
+    by both is made once in each: only readers of the same phase share it (a step
+    input's reshard is hoisted out of the pieces and made once).
     """
     rename = dict(rename or {})
     ctx, eta = bp.ctx, float(bp.ctx.cluster.overlap_efficiency)
@@ -475,7 +484,10 @@ def price_choice(
         colls = price_reshard(ctx, t, have, need, source=src, into_state=into, rename=rename)
         secs = w * reshard_linear_s(colls, eta)
         linear += secs
-        key = (e.ref, have, need, w, op.scope)
+        # In pieces, a step input's reshard is still made once (the lowering hoists it
+        # out of the tick loop); a value computed per microbatch is made in each piece.
+        piece = op.phase if pieces and bp.ops[e.ref.op].kind != "input" else None
+        key = (e.ref, have, need, w, op.scope, piece)
         if key in done:
             merged += secs
             continue

@@ -451,9 +451,10 @@ def evaluate_pipeline(
         )
     ]
     # The stages' own collectives (over the other mesh axes), as the intra-op pricing
-    # emits them for one microbatch times m (their seconds are in the stage times).
+    # emits them for one microbatch times m (their seconds are in the stage times); the
+    # forward and backward pieces each make the reshards they read (no CSE across them).
     intra: dict[tuple[str, tuple[str, ...], str], list[float]] = {}
-    for c in price_choice(bp, choice).emitted:
+    for c in price_choice(bp, choice, pieces=True).emitted:
         tot = intra.setdefault((c.kind, c.axes, c.cls), [0.0, 0.0, 0.0])
         tot[0] += c.executions * c.nbytes
         tot[1] += c.executions
