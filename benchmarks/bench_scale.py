@@ -118,6 +118,10 @@ class ScaleRow:
             from benchmarks.models.t5 import T5Config
 
             return T5Config.preset(self.preset, **dict(self.overrides))
+        if self.family == "accumulate":  # the zoo GPT in a step that accumulates itself
+            from benchmarks.models.gpt import GPTConfig
+
+            return GPTConfig.preset(self.preset, **dict(self.overrides))
         if self.family == "moe":
             from benchmarks.models.moe import MoEConfig as Config
         else:
@@ -149,6 +153,12 @@ ROWS = (
     # 32 x 2048 tokens on two DGX A100 nodes; and the same with 4 + 4 blocks, to iterate on.
     ScaleRow("t5-1b", "t5-1b", 32, 2, False, 20.0, family="t5"),
     ScaleRow("t5-1b-4+4", "t5-1b", 32, 2, False, 20.0, family="t5", overrides=(("layers", 4),)),
+    # A step that accumulates gradients itself (lax.scan over 4 microbatches, plain optax),
+    # ~0.4M parameters (issue 13: "plans in under 20 s"; it took 50 s).
+    ScaleRow(
+        "accumulate-scan", "tiny", 32, 1, False, 20.0, family="accumulate",
+        overrides=(("hidden", 128), ("layers", 3), ("precision", "fp32")),
+    ),
     ScaleRow(
         "mixtral-8x7b", "mixtral-8x7b", 256, 8, True, 300.0,
         family="moe", cluster="dgx-h100", uses="expert",
@@ -245,11 +255,13 @@ def scale_row(row: ScaleRow) -> dict[str, Any]:
         from benchmarks.models.moe import make_train_step
     if row.family == "t5":
         from benchmarks.models.t5 import make_train_step
+    if row.family == "accumulate":
+        from benchmarks.models.gpt import make_accumulating_step as make_train_step
     step, args = make_train_step(cfg, row.batch)
     cluster = Cluster.preset(row.cluster, nodes=row.nodes)
     out: dict[str, Any] = {
         "row": row.name,
-        "params": param_count(args[0]),
+        "params": param_count({"params": args[0]} if row.family == "accumulate" else args[0]),
         "devices": cluster.num_devices,
         "target_s": row.target_s,
         "limit_bytes": float(cluster.device.hbm_bytes),

@@ -543,3 +543,38 @@ def make_train_step(
         seed=seed,
     )
     return step_fn, args
+
+
+def make_accumulating_step(
+    config: GPTConfig, batch_size: int, microbatches: int = 4
+) -> tuple[Callable[..., Any], tuple[Any, Any, dict[str, jax.ShapeDtypeStruct]]]:
+    """The train step a user writes to accumulate gradients (abstract arguments): plain
+    ``optax.adamw``, gradients summed over ``microbatches`` by a ``lax.scan`` and averaged,
+    one update. ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    Example:
+        >>> step, (params, opt_state, batch) = make_accumulating_step(
+        ...     GPTConfig.preset("tiny"), 8, microbatches=2)
+        >>> jax.eval_shape(step, params, opt_state, batch)[2].shape
+        ()
+    """
+    if batch_size % microbatches:
+        raise ValueError(f"batch_size={batch_size} must divide into {microbatches} microbatches")
+    tx = optax.adamw(1e-3)
+
+    def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any, Any]:
+        mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+
+        def body(acc: Any, mb: dict[str, jax.Array]) -> tuple[Any, jax.Array]:
+            loss, g = jax.value_and_grad(functools.partial(loss_fn, config))(params, mb)
+            return jax.tree.map(jnp.add, acc, g), loss
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, losses = jax.lax.scan(body, zeros, mbs)
+        grads = jax.tree.map(lambda g: g / microbatches, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses.mean()
+
+    tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+    params = jax.eval_shape(lambda k: GPT(config).init(k, tokens), jax.random.key(0))["params"]
+    return step, (params, jax.eval_shape(tx.init, params), batch_spec(config, batch_size))

@@ -101,3 +101,40 @@ def test_cells_and_atomic_json(tmp_path):
     bench_scale.write_json([ok, bad], str(path))
     assert json.loads(path.read_text())[1]["error"].startswith("InfeasiblePlanError")
     assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # no temporary left behind
+
+
+def test_accumulating_step_equals_one_full_batch_update():
+    """The accumulate-scan row's step (a user's lax.scan over microbatches) makes the same
+    update as plain optax on the whole batch: the mean of equal-sized microbatches' mean
+    losses is the whole batch's mean loss, and so are its gradients."""
+    import functools
+
+    import jax
+    import numpy as np
+    import optax
+
+    from benchmarks.models.gpt import GPTConfig, loss_fn, make_accumulating_step, random_batch
+
+    cfg = GPTConfig.preset("tiny", precision="fp32")
+    step, (params_s, state_s, _) = make_accumulating_step(cfg, 8, microbatches=4)
+    leaves, tree = jax.tree.flatten(params_s)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    params = jax.tree.unflatten(
+        tree,
+        [0.02 * jax.random.normal(k, s.shape, s.dtype) for s, k in zip(leaves, keys, strict=True)],
+    )
+    tx = optax.adamw(1e-3)
+    opt_state = tx.init(params)
+    assert jax.tree.structure(opt_state) == jax.tree.structure(state_s)
+    batch = random_batch(cfg, 8, jax.random.key(2))
+    new_params, new_state, loss = jax.jit(step)(params, opt_state, batch)
+    want_loss, grads = jax.value_and_grad(functools.partial(loss_fn, cfg))(params, batch)
+    updates, want_state = tx.update(grads, opt_state, params)
+    want = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    # Adam's moments hold the gradients' scale (its first update hardly does): a sum over
+    # microbatches not averaged would be 4x in mu and 16x in nu.
+    got_all = jax.tree.leaves((new_params, new_state))
+    want_all = jax.tree.leaves((want, want_state))
+    for a, b in zip(got_all, want_all, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
