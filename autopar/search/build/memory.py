@@ -24,10 +24,37 @@ buffers needs no model: its temp allocation is within 0.3-1.7% of the most bytes
 once (measured: ``--xla_dump_to`` buffer offsets against live ranges, bench_verify's
 scanned ZeRO-1/ZeRO-3/Megatron GPT and MoE, the replicated Wide-ResNet of
 bench_fidelity; in the ZeRO-3 GPT dump the live-range file's "peak usage" line, 1.22 MB,
-is 0.3 MB below the bytes live at its combined gradient all-reduce). Not modelled:
-XLA:CPU's convolution copies (kernels copied and flipped for the input gradient, the
-input transposed for the kernel gradient), which the replicated Wide-ResNet step holds
-(about 2 MiB of its 10.5 MiB temp).
+is 0.3 MB below the bytes live at its combined gradient all-reduce).
+
+Not modelled, on purpose: buffers only XLA:CPU makes. They are why the replicated
+Wide-ResNet of bench_fidelity (tiny, batch 64) predicts 12.75 MiB against
+``memory_analysis``'s 14.83 MiB (-14%). Its ``--xla_dump_to`` live ranges (jaxlib
+0.10.2, one device) hold 14.44 MiB at XLA's peak (the backward of ``block_3/conv2``),
+2.02 MiB of it in copies of three kinds, the rest (12.42 MiB) within 3% of the model:
+
+* the images transposed, 0.75 MiB, from the start of the step to the stem convolution's
+  kernel gradient, and each convolution kernel transposed (and reversed, for 3x3) for
+  its input gradient, 0.35 MiB, made at the start of the step (they read parameters
+  only) and held to their backward use: ``xla/service/cpu/conv_canonicalization.cc``
+  copies the operands of a convolution that is not in ``NHWC/HWIO/NHWC`` form (a kernel
+  gradient contracts the batch; an input gradient reads the kernel reversed, its feature
+  dimensions swapped). XLA:GPU hands both to cuDNN as backward-filter / backward-input
+  convolutions (``GpuConvRewriter``), which take the operands as they are. Activations
+  are copied the same way: a copy made in the forward pass from a fused value (a
+  BatchNorm-ReLU output) replaces it, so the model's count holds there; an argument (the
+  images) stays beside its copy, and so does an output gradient while its kernel
+  gradient is computed (the test's ``dy``).
+* a copy of each donated kernel that its input gradient reads, 0.92 MiB: that read is not
+  ordered by data dependence before the kernel's in-place update, so copy insertion keeps
+  a copy. XLA:CPU runs copy insertion before scheduling only; XLA:GPU runs it again on
+  the schedule (``RunPostSchedulingCopyInsertion`` in ``xla/service/gpu/gpu_compiler.cc``:
+  "the sequential ordering from the HLO schedule potentially allows for more copies to be
+  eliminated"), where the update is the kernel's last reader. On CPU the vacated
+  parameter buffer is reused (for the reversed kernel, a gradient), so a copy costs
+  memory only when nothing of its size fills that buffer: in the MLP zoo step the 4 MiB
+  copy of ``layer_1/w`` costs nothing (its gradient takes the parameter's buffer).
+
+``tests/search/test_memory_conv.py`` counts both by hand on a two-convolution step.
 
 This is the planner's one memory model: ``plan.predicted.memory_bytes_per_device``, the
 ILP's memory constraints and the activation bytes per layer under each remat policy

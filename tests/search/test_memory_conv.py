@@ -1,0 +1,124 @@
+"""Peak memory of a convolution train step: the planner's memory model against a hand count,
+and the XLA:CPU-only buffers that ``memory_analysis`` adds on top of it.
+
+The step (two 3x3 SAME convolutions, ``N, H, W = 8, 16, 16``, ``C = 8`` -> ``K = 16`` ->
+``K`` channels, float32, loss ``sum(conv(relu(conv(x, w1)), w2) ** 2)``, SGD update of the
+donated kernels) is small enough to count every buffer by hand.
+
+The planner's model (:mod:`autopar.search.build.memory`) holds, at its peak (the backward
+``mul`` that makes the output gradient ``dy = 2 y``): the inputs ``w1, w2, x``, and four
+activations of ``N H W K`` floats: the first convolution's output ``a`` (the ReLU's backward
+reads it), ``h = relu(a)`` (``w2``'s kernel gradient reads it), the forward's ``2 y`` (the
+``jvp`` of ``y ** 2``) and ``dy``, plus the 4-byte loss.
+
+XLA:CPU (jaxlib 0.10.2, measured with ``--xla_dump_to``: buffer assignment and live ranges)
+holds three more buffers that XLA:GPU does not make, which the model leaves out on purpose
+(see the module docstring of :mod:`autopar.search.build.memory`):
+
+* ``x`` transposed (``N H W C`` floats) and ``dy`` transposed (``N H W K``), beside the
+  originals: the kernel-gradient convolutions have the batch as their contracted dimension,
+  not in ``NHWC/HWIO`` form, and ``xla/service/cpu/conv_canonicalization.cc`` (a CPU-only
+  pass) copies such operands into canonical layout. XLA:GPU hands these convolutions to
+  cuDNN as backward-filter convolutions, which read the operands where they are.
+* one copy of the donated kernel ``w2``: ``w2``'s input-gradient convolution reads it and
+  is not ordered by data dependence before ``w2``'s in-place update, so copy insertion
+  keeps a copy; XLA:CPU runs copy insertion only before scheduling, while XLA:GPU runs
+  ``RunPostSchedulingCopyInsertion`` (``xla/service/gpu/gpu_compiler.cc``), which removes
+  copies the final schedule makes unnecessary (here the update is ``w2``'s last reader).
+  (The reversed ``w2`` the input gradient needs reuses ``w2``'s vacated parameter buffer.)
+
+plus 24 bytes: the output tuple's table of three 8-byte pointers.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from autopar.lower import CPU_MEMORY_COMPILER_OPTIONS
+from autopar.search.costs import CostContext
+from autopar.search.ilp import build
+from autopar.trace import trace
+from cost_models import Cluster
+
+N, H, W, C, K = 8, 16, 16, 8, 16
+F32 = 4  # bytes
+
+W1 = 3 * 3 * C * K * F32  # 4,608
+W2 = 3 * 3 * K * K * F32  # 9,216
+X = N * H * W * C * F32  # 65,536
+ACT = N * H * W * K * F32  # 131,072: a, h, 2y, dy
+LOSS = F32
+
+# By hand, from the shapes: the model's peak, and what XLA:CPU adds.
+MODEL_PEAK = W1 + W2 + X + 4 * ACT + LOSS  # 603,652
+CPU_ONLY = X + ACT + W2 + 3 * 8  # x^T, dy^T, the copy of w2, the output tuple: 205,848
+
+
+def _conv(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+
+
+def _step(params: dict, x: jax.Array) -> tuple[dict, jax.Array]:
+    def loss(p: dict) -> jax.Array:
+        return jnp.sum(_conv(jax.nn.relu(_conv(x, p["w1"])), p["w2"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), value
+
+
+@functools.cache
+def _args() -> tuple[dict, jax.Array]:
+    params = {
+        "w1": jnp.full((3, 3, C, K), 0.01, jnp.float32),
+        "w2": jnp.full((3, 3, K, K), 0.01, jnp.float32),
+    }
+    return params, jnp.ones((N, H, W, C), jnp.float32)
+
+
+@functools.cache
+def _model_peak() -> tuple[float, str, dict[str, float]]:
+    graph = trace(_step, *_args())
+    bp = build(graph, CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 1}))
+    peak, moment, breakdown = bp.peak([0] * len(bp.groups))
+    return peak, graph.nodes[moment].primitive, breakdown
+
+
+def test_model_peak_of_a_conv_step_is_the_hand_count():
+    peak, primitive, breakdown = _model_peak()
+    assert peak == MODEL_PEAK
+    assert primitive == "mul"  # dy = 2 y * 1, the backward pass's first full-size value
+    assert breakdown["params"] == W1 + W2
+    assert breakdown["inputs"] == X
+    assert breakdown["activations"] == 4 * ACT + LOSS
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own buffers")
+def test_xla_cpu_adds_its_conv_layout_copies_and_the_kernel_copy():
+    params, x = _args()
+    compiled = (
+        jax.jit(_step, donate_argnums=(0,))
+        .lower(params, x)
+        .compile(compiler_options=dict(CPU_MEMORY_COMPILER_OPTIONS))
+    )
+    m = compiled.memory_analysis()
+    total = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+    assert total - _model_peak()[0] == CPU_ONLY
+    hlo = compiled.as_text()
+    # The mechanisms: one copy of a donated kernel, of w2's shape ...
+    kernel_copies = re.findall(r"= (f32\[[\d,]+\])\{[\d,]*\} copy\(%params\S*\)", hlo)
+    assert kernel_copies == [f"f32[3,3,{K},{K}]"]
+    # ... and the layout transpose of x (the operand of w1's kernel gradient), made from
+    # the argument alone.
+    assert re.search(r"%transpose\S* = f32\[[\d,]+\]\{[\d,]*\} fusion\(%x[\w.]*\)", hlo)
