@@ -12,8 +12,9 @@ reads it), ``h = relu(a)`` (``w2``'s kernel gradient reads it), the forward's ``
 ``jvp`` of ``y ** 2``) and ``dy``, plus the 4-byte loss.
 
 XLA:CPU (jaxlib 0.10.2, measured with ``--xla_dump_to``: buffer assignment and live ranges)
-holds three more buffers that XLA:GPU does not make, which the model leaves out on purpose
-(see the module docstring of :mod:`autopar.search.build.memory`):
+holds three more buffers that XLA:GPU does not make where it keeps NHWC (Hopper and later,
+16-bit types from Volta on), which the model leaves out on purpose (see the module
+docstring of :mod:`autopar.search.build.memory`):
 
 * ``x`` transposed (``N H W C`` floats) and ``dy`` transposed (``N H W K``), beside the
   originals: the kernel-gradient convolutions have the batch as their contracted dimension,

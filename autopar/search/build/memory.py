@@ -39,7 +39,12 @@ Wide-ResNet of bench_fidelity (tiny, batch 64) predicts 12.75 MiB against
   copies the operands of a convolution that is not in ``NHWC/HWIO/NHWC`` form (a kernel
   gradient contracts the batch; an input gradient reads the kernel reversed, its feature
   dimensions swapped). XLA:GPU hands both to cuDNN as backward-filter / backward-input
-  convolutions (``GpuConvRewriter``), which take the operands as they are. Activations
+  convolutions (``GpuConvRewriter``), which take the operands as they are when its
+  layout assignment keeps NHWC (``HeuristicLayoutAssignment``: Hopper and later, and
+  16-bit types from Volta on, e.g. the zoo's default ``"mixed"`` precision on an A100).
+  Float32 convolutions before Hopper run NCHW, and there XLA:GPU copies the images and
+  kernels into that layout much as XLA:CPU does: not modelled either (not measured, no
+  GPU here). Activations
   are copied the same way: a copy made in the forward pass from a fused value (a
   BatchNorm-ReLU output) replaces it, so the model's count holds there; an argument (the
   images) stays beside its copy, and so does an output gradient while its kernel
