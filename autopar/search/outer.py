@@ -959,8 +959,13 @@ def _price(
             # excess taught can overshoot: 1T GPT on 3072 A100s, pipe 64's stages priced
             # 4.8x their screen, which put pipe 128's bound at half of what any layout
             # needs): once, the tightest layouts there are, just over that footprint.
+            # Not when a stage of those layouts (1/pipe of the step's) cannot fit the
+            # device anyway: solving just over a footprint is the solver's hardest
+            # problem (a bound of 1000 bytes spent 70 s there to no avail).
             low = getattr(e, "smallest_bytes", None)
             if floor_tried or low is None or not bound < low < inner_bytes:
+                break
+            if low / c.pipe > limit:
                 break
             floor_tried = True
             bound = low * (1 + _FLOOR_SLACK)
