@@ -223,3 +223,34 @@ def test_screen_paces_the_pipeline_by_its_busiest_device(p, m, v, schedule, rel)
     if v == 1:  # by hand: 3 s a layer, the last stage 6 s more (the head's 2 + 4)
         stages = [3.0 * per] * (p - 1) + [3.0 * per + 6.0]
         assert got == pytest.approx(sum(stages) + (m - 1) * max(stages))
+
+
+@pytest.mark.parametrize("model", [{}, {"tensor": 2}], ids=["one-device", "tensor2"])
+def test_a_profile_prices_its_search_solution_as_the_polished_plan(model):
+    """A profile prices the intra-op search's own solution (``polish=False``,
+    ``evaluate_pipeline(completed=...)``) rather than solving the plan's pins again. The
+    reference is the long way round: the polished plan, completed from its pins and priced
+    by ``evaluate_pipeline``. Both solves are optimal here, so the numbers agree."""
+    from dataclasses import replace
+
+    from autopar.lower.split import plan_accumulation
+    from autopar.plan import PipelinePlan
+    from autopar.search.outer import _UNBOUNDED, _inner_options, profile
+    from autopar.search.stages import evaluate_pipeline
+
+    step, args = _gpt()
+    graph = _graph()
+    acc = plan_accumulation(step, args, BATCH // 2, full=graph)
+    prof = profile(graph, TWO_NODES, SearchOptions(), model, acc)
+    opts = _inner_options(SearchOptions(), model or {"data": 1}, acc.microbatches, _UNBOUNDED)
+    polished = plan_graph(graph, TWO_NODES, opts, accumulation=acc)
+    one = replace(polished, pipeline=PipelinePlan(((0, LAYERS),), "1f1b", acc.microbatches))
+    ev = evaluate_pipeline(graph, one, TWO_NODES, acc, per_layer=True)
+    assert prof.forward_s == pytest.approx(ev.extra["stage_forward_s"][0], rel=1e-6)
+    assert prof.backward_s == pytest.approx(ev.extra["stage_backward_s"][0], rel=1e-6)
+    assert prof.layer_forward_s == pytest.approx(ev.extra["layer_forward_s"], rel=1e-6)
+    bd = dict(ev.memory_breakdown)
+    assert prof.activation_bytes == pytest.approx(bd.get("activations", 0.0), rel=1e-6)
+    assert prof.state_bytes == pytest.approx(
+        sum(b for k, b in bd.items() if k != "activations"), rel=1e-6
+    )
