@@ -110,27 +110,35 @@ def test_accumulating_step_equals_one_full_batch_update():
     import functools
 
     import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
 
-    from benchmarks.models.gpt import GPTConfig, loss_fn, make_accumulating_step, random_batch
-
-    cfg = GPTConfig.preset("tiny", precision="fp32")
-    step, (params_s, state_s, _) = make_accumulating_step(cfg, 8, microbatches=4)
-    leaves, tree = jax.tree.flatten(params_s)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    params = jax.tree.unflatten(
-        tree,
-        [0.02 * jax.random.normal(k, s.shape, s.dtype) for s, k in zip(leaves, keys, strict=True)],
+    from benchmarks.models.gpt import (
+        GPT,
+        GPTConfig,
+        loss_fn,
+        make_accumulating_step,
+        random_batch,
     )
+
+    cfg = GPTConfig.preset("tiny", precision="fp32", layers=1, seq_len=16)
+    step, (params_s, state_s, _) = make_accumulating_step(cfg, 8, microbatches=4)
+    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    params = jax.jit(lambda k: GPT(cfg).init(k, tokens))(jax.random.key(1))["params"]
     tx = optax.adamw(1e-3)
-    opt_state = tx.init(params)
+    opt_state = jax.jit(tx.init)(params)
     assert jax.tree.structure(opt_state) == jax.tree.structure(state_s)
     batch = random_batch(cfg, 8, jax.random.key(2))
     new_params, new_state, loss = jax.jit(step)(params, opt_state, batch)
-    want_loss, grads = jax.value_and_grad(functools.partial(loss_fn, cfg))(params, batch)
-    updates, want_state = tx.update(grads, opt_state, params)
-    want = optax.apply_updates(params, updates)
+
+    @jax.jit
+    def reference(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(functools.partial(loss_fn, cfg))(params, batch)
+        updates, state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    want, want_state, want_loss = reference(params, opt_state, batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     # Adam's moments hold the gradients' scale (its first update hardly does): a sum over
     # microbatches not averaged would be 4x in mu and 16x in nu.

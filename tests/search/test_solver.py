@@ -249,7 +249,29 @@ def test_out_of_time_returns_the_starting_point(monkeypatch):
     assert sol.status == "feasible"
     assert sol.choice == (1, 1)
     assert sol.objective == pytest.approx(4.0)
-    # ... unless the start breaks the memory bound: then there is no solution to give.
+    # ... unless the start breaks the memory bound: then there is no solution to give
+    # (HiGHS's branch and bound, which small memory-bound problems get first, kept out).
+    monkeypatch.setattr(solver, "MIP_FIRST_MAX_PAIRS", -1)
     mem = MemoryConstraint("m", 0.0, ((0, (10.0, 100.0)), (1, (10.0, 100.0))))
     sol = solve(_chain(memory=(mem,), limit=150.0))
     assert sol.status == "unknown" and sol.choice == ()
+
+
+def test_small_memory_bound_problems_are_proved_by_highs_before_cp_sat(monkeypatch):
+    # The memory-bound chain (the best that fits is (0, 0) = 5 s, by hand in
+    # test_memory_bound_flips_the_answer) is proved by HiGHS's branch and bound: CP-SAT is
+    # never called. Past MIP_FIRST_MAX_PAIRS, CP-SAT solves it.
+    import autopar.search.solver as solver
+
+    def no_cpsat(*a, **k):
+        raise AssertionError("CP-SAT was called")
+
+    mem = (MemoryConstraint("peak", 0.0, ((0, (10.0, 100.0)), (1, (10.0, 100.0)))),)
+    monkeypatch.setattr(solver, "LP_PROOF_GAP", -1.0)  # the LP proves nothing here
+    monkeypatch.setattr(solver, "_solve_cpsat", no_cpsat)
+    sol = solve(_chain(mem, 150.0))
+    assert (sol.status, sol.choice) == ("optimal", (0, 0))
+    assert sol.objective == pytest.approx(5.0)
+    monkeypatch.setattr(solver, "MIP_FIRST_MAX_PAIRS", -1)
+    with pytest.raises(AssertionError, match="CP-SAT was called"):
+        solve(_chain(mem, 150.0))
