@@ -140,9 +140,24 @@ def test_accumulating_step_equals_one_full_batch_update():
 
     want, want_state, want_loss = reference(params, opt_state, batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+
     # Adam's moments hold the gradients' scale (its first update hardly does): a sum over
-    # microbatches not averaged would be 4x in mu and 16x in nu.
-    got_all = jax.tree.leaves((new_params, new_state))
-    want_all = jax.tree.leaves((want, want_state))
-    for a, b in zip(got_all, want_all, strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # microbatches not averaged would be 4x in mu and 16x in nu. Some gradients are zero
+    # in exact arithmetic (a key projection's bias: softmax ignores a constant per row)
+    # and only rounding noise of the other terms in float32, summed in another order
+    # here: so each kind of value (parameters, mu, nu) is compared as one vector, to
+    # within 1e-4 of its own largest entry.
+    def kinds(tree) -> dict[str, np.ndarray]:
+        out: dict[str, list] = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            keys = jax.tree_util.keystr(path)
+            kind = "mu" if ".mu" in keys else "nu" if ".nu" in keys else "other"
+            out.setdefault(kind, []).append(np.ravel(np.asarray(leaf, np.float64)))
+        return {k: np.concatenate(v) for k, v in out.items()}
+
+    got = {"params": kinds(new_params)["other"], **kinds(new_state)}
+    ref = {"params": kinds(want)["other"], **kinds(want_state)}
+    assert set(got) == {"params", "mu", "nu", "other"}  # "other": Adam's step count
+    for kind, b in ref.items():
+        scale = float(np.max(np.abs(b)))
+        np.testing.assert_allclose(got[kind], b, rtol=1e-4, atol=1e-4 * scale, err_msg=kind)
