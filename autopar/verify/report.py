@@ -288,6 +288,24 @@ def _memory(obj: Any, args: Sequence[Any], plan: Plan) -> MemoryRow | None:
     return memory_row(stats, plan)
 
 
+def compiled_peak_bytes(stats: Any) -> float:
+    """The peak bytes per device of a compiled program, from its ``memory_analysis()``:
+    arguments + outputs + temporaries - the outputs aliased onto (donated) arguments.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> compiled_peak_bytes(SimpleNamespace(argument_size_in_bytes=100,
+        ...     output_size_in_bytes=40, temp_size_in_bytes=60, alias_size_in_bytes=40))
+        160.0
+    """
+    return float(
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
 def memory_row(stats: Any, plan: Plan, predicted_bytes: float | None = None) -> MemoryRow:
     """Compiled peak bytes per device (``memory_analysis()`` ``stats``: arguments +
     outputs + temporaries - aliases) against the prediction (``predicted_bytes``, default
@@ -306,7 +324,7 @@ def memory_row(stats: Any, plan: Plan, predicted_bytes: float | None = None) -> 
     predicted = float(predicted_bytes)
     undonated = max(0.0, state_bytes_per_device(plan) - alias) if predicted > 0 else 0.0
     return MemoryRow(
-        predicted + undonated, arg + out + temp - alias, arg, out, temp, alias, undonated
+        predicted + undonated, compiled_peak_bytes(stats), arg, out, temp, alias, undonated
     )
 
 
