@@ -27,6 +27,7 @@ from autopar.errors import (
     UnknownPresetError,
     UnknownPrimitiveWarning,
 )
+from autopar.gc_pause import gc_paused
 from autopar.options import LoweringOptions, SearchOptions
 from autopar.plan import Plan
 from autopar.trace import Graph, trace
@@ -86,11 +87,12 @@ def plan(
         >>> p.mesh, p.predicted.step_time_s > 0
         ({'data': 2, 'tensor': 4}, True)
     """
-    graph = fn if isinstance(fn, Graph) else trace(fn, *args, **kwargs)
-    if kwargs and not isinstance(fn, Graph):
-        fn, args = _positional(fn, args, kwargs)
-    result = _plan_graph(fn, args, graph, _resolve_cluster(cluster), _resolve_options(options))
-    return _finish_plan(result, graph)
+    with gc_paused():  # planning keeps millions of small objects alive (autopar.gc_pause)
+        graph = fn if isinstance(fn, Graph) else trace(fn, *args, **kwargs)
+        if kwargs and not isinstance(fn, Graph):
+            fn, args = _positional(fn, args, kwargs)
+        result = _plan_graph(fn, args, graph, _resolve_cluster(cluster), _resolve_options(options))
+        return _finish_plan(result, graph)
 
 
 def _positional(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:

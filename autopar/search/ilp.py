@@ -20,11 +20,11 @@ Example:
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autopar.gc_pause import gc_paused
 from autopar.search.batch_ties import batch_ties
 from autopar.search.build import memory
 from autopar.search.build.catalog import StrategyCatalog, struct_key
@@ -218,9 +218,7 @@ def build(
     # Building allocates hundreds of thousands of small objects that stay alive; the
     # cyclic GC would rescan them over and over (a third of the build time at 96
     # layers). They hold no cycles that need collecting mid-build.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         catalog = StrategyCatalog(ctx, fixed_inputs=fixed_inputs, input_axes=input_axes)
         flat = flatten(graph, constraints, repeat)
         coarse = coarsen(
@@ -278,9 +276,6 @@ def build(
             coarse.envs.get((), {}),
         )
         return bp.with_moments(memory.pick_moments(timeline, num_moments))
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class ProblemBuilder:

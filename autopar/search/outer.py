@@ -478,20 +478,18 @@ def profile(
 ) -> Profile:
     """Solve and price one microbatch (``acc``) on the group ``model`` (see the module
     docstring)."""
-    from autopar.search.planner import plan_graph
+    from autopar.search.planner import best_mesh
     from autopar.search.stages import evaluate_pipeline
 
     m = acc.microbatches
     # The search's own solution prices the profile (an estimate for the screen; the
-    # finalists are solved and priced in full), not a second solve from its pins: on a
-    # 48-block encoder-decoder that halves each profile.
-    results: list[Any] = []
-    inner = plan_graph(
+    # finalists are solved and priced in full), not a second solve from its pins (on a
+    # 48-block encoder-decoder that halved each profile), and no plan is written for it.
+    best = best_mesh(
         graph, cluster, _inner_options(options, model or {"data": 1}, m, _UNBOUNDED),
-        accumulation=acc, results=results, polish=False,
+        accumulation=acc,
     )  # fmt: skip
-    best = next(r for r in results if r.evaluation is not None and not r.skipped)
-    one = replace(inner, pipeline=PipelinePlan(((0, len(graph.layers)),), "1f1b", m))
+    one = Plan(best.mesh, pipeline=PipelinePlan(((0, len(graph.layers)),), "1f1b", m))
     ev = evaluate_pipeline(
         graph, one, cluster, acc, per_layer=True, completed=(best.built, best.solution)
     )

@@ -43,6 +43,7 @@ from autopar.search.evaluate import complete_layouts, decode
 from autopar.search.intra_op import MeshResult, build_problem, solve_mesh, step_lower_bound
 from autopar.search.meshes import candidate_meshes, expert_dims, offered_axes
 from autopar.search.shortlist import candidate, rank, unsolved
+from autopar.search.solver import prefetch_relaxation
 from autopar.search.to_plan import batch_layouts, role_names, write_plan
 from autopar.trace.graph import Graph
 
@@ -209,6 +210,57 @@ def plan_graph(
         [('all-reduce', ('tensor',), 65536.0)]
     """
     options = options or SearchOptions()
+    best, tried, pipeline, accumulation = _search(
+        graph, cluster, options, accumulation, results, name_by_role
+    )
+    limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
+    plan = write_plan(best, graph, cluster, limit, pipeline)
+    if polish:
+        plan, best = _polish(
+            plan, best, tried, graph, cluster, options, limit, pipeline, accumulation
+        )
+
+    if results is not None:
+        results.extend(tried)
+    return dataclasses.replace(plan, shortlist=_shortlist(plan, best, tried, limit))
+
+
+def best_mesh(
+    graph: Graph,
+    cluster: Any,
+    options: SearchOptions,
+    *,
+    accumulation: Any = None,
+    results: list | None = None,
+) -> MeshResult:
+    """The intra-op search of :func:`plan_graph` without writing a plan: the best mesh's
+    result (its built problem, solution and evaluation). The outer loop's profiles price
+    this solution directly (writing a plan of a 48-block step costs half a second each).
+
+    Example:
+        >>> import math
+        >>> r = best_mesh(graph, Cluster.preset("dgx-a100-80gb"),
+        ...               SearchOptions(mesh={"data": 2, "tensor": 4}))
+        >>> r.mesh, math.isclose(r.evaluation.step_time_s, r.solution.objective)
+        ({'data': 2, 'tensor': 4}, True)
+    """
+    best, tried, _, _ = _search(graph, cluster, options, accumulation, results, False)
+    if results is not None:
+        results.extend(tried)
+    return best
+
+
+def _search(
+    graph: Graph,
+    cluster: Any,
+    options: SearchOptions,
+    accumulation: Any,
+    results: list | None,
+    name_by_role: bool,
+) -> tuple[MeshResult, list[MeshResult], PipelinePlan | None, Any]:
+    """Build and solve the candidate meshes: (the best result that fits, every mesh's
+    result, the microbatched step's one-stage pipeline or ``None``, the accumulation in
+    use). Raises what :func:`plan_graph` documents when nothing fits."""
     _check(options, cluster)
     m = microbatch_count(graph, options)
     pipeline = None
@@ -226,14 +278,22 @@ def plan_graph(
     allowed = offered_axes(graph, cluster.num_devices, options)
     tried: list[MeshResult] = []
     meshes = list(candidate_meshes(cluster.num_devices, options, graph))
+    ahead = []  # LP relaxations run on a second core while the next mesh is built
     with SearchProgress(2 * len(meshes), "search") as bar:
-        for mesh in meshes:
-            bp = build_problem(graph, cluster, mesh, options, limit, accumulation)
-            tried.append(MeshResult(mesh, step_lower_bound(bp), bp))
-            bar.advance(f"built {_mesh_str(mesh)}")
-        best = _solve_meshes(
-            tried, graph, cluster, options, limit, accumulation, allowed, bar, name_by_role
-        )
+        try:
+            for mesh in meshes:
+                bp = build_problem(graph, cluster, mesh, options, limit, accumulation)
+                tried.append(MeshResult(mesh, step_lower_bound(bp), bp))
+                if len(meshes) > 1:
+                    ahead.append(prefetch_relaxation(bp.problem, 0.5 * options.solver_time_limit_s))
+                bar.advance(f"built {_mesh_str(mesh)}")
+            best = _solve_meshes(
+                tried, graph, cluster, options, limit, accumulation, allowed, bar, name_by_role
+            )
+        finally:
+            for f in ahead:
+                if f is not None:
+                    f.cancel()  # a mesh skipped: its relaxation is not started (or is moot)
     if best is None:
         if results is not None:
             results.extend(tried)
@@ -267,15 +327,7 @@ def plan_graph(
         batch = max((gi.tensor.shape[0] for gi in graph.inputs if gi.role == "batch"), default=0)
         per = batch // (m * replicas) if batch % (m * replicas) == 0 else None
         pipeline = PipelinePlan(pipeline.stages, pipeline.schedule, m, microbatch_size=per)
-    plan = write_plan(best, graph, cluster, limit, pipeline)
-    if polish:
-        plan, best = _polish(
-            plan, best, tried, graph, cluster, options, limit, pipeline, accumulation
-        )
-
-    if results is not None:
-        results.extend(tried)
-    return dataclasses.replace(plan, shortlist=_shortlist(plan, best, tried, limit))
+    return best, tried, pipeline, accumulation
 
 
 def _shortlist(

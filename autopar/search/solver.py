@@ -76,6 +76,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -536,13 +537,73 @@ def _lp_rounded(
     On sharding problems the relaxation is nearly integral: rounding it lands on or next
     to the optimum (GPT-2 small: the optimum itself, 0.3 s), where greedy + local search
     can be 10-50% off; CP-SAT then only has to prove it, unless the bound proves it
-    already. Falls back to the greedy start if the LP does not finish.
+    already. Falls back to the greedy start if the LP does not finish. A relaxation
+    :func:`prefetch_relaxation` started is taken up (waited for if it is running).
     """
+    ahead = _prefetched(problem)
+    picked, bound = ahead.result() if ahead is not None else _relaxation(problem, cp, time_limit_s)
+    return (_start(cp, None) if picked is None else _local_search(cp, picked)), bound
+
+
+def _relaxation(
+    problem: ShardingProblem, cp: _Compact, time_limit_s: float
+) -> tuple[dict[int, int] | None, float]:
+    """The LP relaxation's rounded choice and optimum (``None, 0.0`` if HiGHS failed)."""
     try:
         picked, _, bound = _solve_highs(problem, cp, time_limit_s, "cost", relax=True)
     except SolveShardingError:
-        picked, bound = None, 0.0
-    return (_start(cp, None) if picked is None else _local_search(cp, picked)), bound
+        return None, 0.0
+    return picked, bound
+
+
+# One background thread for LP relaxations started ahead of their solve. HiGHS releases
+# the GIL while it runs, so a relaxation proceeds beside the caller's Python (the planner
+# builds the next mesh's problem meanwhile) on a second core.
+_LP_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-lp")
+_AHEAD = "relaxation"  # the key of a started relaxation in a problem's _PRESOLVED entry
+
+
+def prefetch_relaxation(problem: ShardingProblem, time_limit_s: float) -> Future | None:
+    """Start the LP relaxation that :func:`solve` would run first for ``problem`` (the
+    default backend, minimising cost) on a background thread; ``solve`` takes it up.
+
+    The planner calls it after building each mesh's problem: the relaxation (seconds on a
+    48-block encoder-decoder) runs while the next mesh is built. The result is the one
+    ``solve`` would compute itself (same HiGHS run, same time limit), so plans do not
+    change. Returns the future (``None`` when ``solve`` would not run a relaxation); the
+    caller may ``cancel()`` it if the problem is never solved. A future not started
+    when ``solve`` needs it is cancelled and the relaxation run in the caller's thread.
+
+    Example:
+        >>> from autopar.search.problem import ProblemEdge, ProblemNode
+        >>> p = ShardingProblem(
+        ...     (ProblemNode("a", (1.0, 2.0)), ProblemNode("b", (2.0, 1.5))),
+        ...     (ProblemEdge(0, 1, (0, 1), (0, 1), ((0.0, 5.0), (5.0, 0.0))),),
+        ... )
+        >>> ahead = prefetch_relaxation(p, 10.0)
+        >>> sol = solve(p)
+        >>> ahead.done(), sol.choice, sol.objective
+        (True, (0, 0), 3.0)
+    """
+    cp = _presolve(problem, "cost")
+    if not cp.edges:
+        return None  # solve() needs no relaxation (nothing couples the nodes' layouts)
+    slot = _PRESOLVED[id(problem)][1]
+    ahead = slot.get(_AHEAD)
+    if ahead is None:
+        ahead = slot[_AHEAD] = _LP_THREAD.submit(_relaxation, problem, cp, time_limit_s)
+    return ahead
+
+
+def _prefetched(problem: ShardingProblem) -> Future | None:
+    """The relaxation started for ``problem``, if any is running or done (taken out)."""
+    entry = _PRESOLVED.get(id(problem))
+    if entry is None or entry[0]() is not problem:
+        return None
+    ahead = entry[1].pop(_AHEAD, None)
+    if ahead is not None and ahead.cancel():
+        return None  # still queued behind another problem's: run it here instead
+    return ahead
 
 
 def _start(cp: _Compact, hint: Sequence[int] | None) -> dict[int, int]:
@@ -1032,25 +1093,23 @@ def _solve_highs(problem, cp: _Compact, time_limit_s, minimize, relax: bool = Fa
     integrality = np.zeros(len(lp.cost))
     if not relax:
         integrality[: lp.num_x] = 1
-    with warnings.catch_warnings():
-        # "output_flag" is passed to HiGHS verbatim (SciPy warns it does not know it): it
-        # keeps HiGHS's banner and log off stdout whatever SciPy's defaults are.
-        warnings.simplefilter("ignore", RuntimeWarning)
-        result = milp(
-            lp.cost,
-            integrality=integrality,
-            bounds=Bounds(np.zeros(len(lp.cost)), lp.upper),
-            constraints=LinearConstraint(matrix, lp.lo, lp.hi),
-            options={
-                "time_limit": float(time_limit_s),
-                "disp": _VERBOSE,
-                "output_flag": _VERBOSE,
-                "mip_rel_gap": 1e-6,
-                # HiGHS's presolve halves nothing on the relaxation and doubles its time
-                # (GPT-2 small on a 3-axis mesh: 2.4 s without, 4.6 s with).
-                "presolve": not relax,
-            },
-        )
+    # Only options SciPy knows: it warns of others, and silencing that would touch the
+    # process's warning filters from the relaxation's background thread. ``disp=False``
+    # is HiGHS's log_to_console off: nothing reaches stdout.
+    result = milp(
+        lp.cost,
+        integrality=integrality,
+        bounds=Bounds(np.zeros(len(lp.cost)), lp.upper),
+        constraints=LinearConstraint(matrix, lp.lo, lp.hi),
+        options={
+            "time_limit": float(time_limit_s),
+            "disp": _VERBOSE,
+            "mip_rel_gap": 1e-6,
+            # HiGHS's presolve halves nothing on the relaxation and doubles its time
+            # (GPT-2 small on a 3-axis mesh: 2.4 s without, 4.6 s with).
+            "presolve": not relax,
+        },
+    )
     # status: 0 optimal, 1 time/iteration limit, 2 infeasible, 3 unbounded, 4 other.
     if result.status == 2:
         return None, "infeasible", 0.0
@@ -1071,4 +1130,11 @@ def _solve_highs(problem, cp: _Compact, time_limit_s, minimize, relax: bool = Fa
     return picked, "optimal" if result.status == 0 else "feasible", bound
 
 
-__all__ = ["BACKENDS", "greedy_choice", "objective_lower_bound", "presolve_stats", "solve"]
+__all__ = [
+    "BACKENDS",
+    "greedy_choice",
+    "objective_lower_bound",
+    "prefetch_relaxation",
+    "presolve_stats",
+    "solve",
+]

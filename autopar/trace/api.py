@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +9,7 @@ import jax
 import numpy as np
 
 from autopar.errors import TraceFunctionError
+from autopar.gc_pause import gc_paused
 from autopar.trace.accumulate import annotate_accumulation, find_accumulations
 from autopar.trace.build import make_node, scan_jaxpr
 from autopar.trace.graph import Graph, GraphInput, GraphOutput
@@ -63,9 +63,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     check_arguments(fn, args, kwargs)
     # Tracing allocates ~10^5 small objects and frees none of them until it returns; the
     # cyclic garbage collector's passes over them cost 40% of the trace time, for nothing.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         try:
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any failure of user code while tracing
@@ -76,9 +74,6 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
                 f"reproduces it)."
             ) from e
         return graph_from_jaxpr(closed, out_shape, fn=fn, args=args, kwargs=kwargs)
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def graph_from_jaxpr(

@@ -275,3 +275,50 @@ def test_small_memory_bound_problems_are_proved_by_highs_before_cp_sat(monkeypat
     monkeypatch.setattr(solver, "MIP_FIRST_MAX_PAIRS", -1)
     with pytest.raises(AssertionError, match="CP-SAT was called"):
         solve(_chain(mem, 150.0))
+
+
+def test_a_prefetched_relaxation_is_the_one_solve_uses(monkeypatch):
+    """The planner starts each mesh's LP relaxation on a background thread as soon as the
+    mesh is built; ``solve`` must take that result up rather than run HiGHS again. Once
+    the prefetched relaxation is done, HiGHS is made to fail: the chain's optimum (1, 1)
+    = 4 (by hand, in test_chain_optimum) still comes back proved, from the prefetched
+    relaxation, and CP-SAT is not called."""
+    from autopar.search import solver
+
+    problem = _chain()
+    ahead = solver.prefetch_relaxation(problem, 10.0)
+    picked, bound = ahead.result(timeout=60)
+    assert bound == pytest.approx(4.0)
+
+    def no_solver(*args, **kwargs):
+        raise AssertionError("the prefetched relaxation should have been used")
+
+    monkeypatch.setattr(solver, "_solve_highs", no_solver)
+    monkeypatch.setattr(solver, "_solve_cpsat", no_solver)
+    sol = solve(problem)
+    assert (sol.choice, sol.status) == ((1, 1), "optimal")
+    assert sol.objective == pytest.approx(4.0)
+    # Taken once: a second solve of the same problem runs its own relaxation.
+    with pytest.raises(AssertionError, match="prefetched"):
+        solve(problem)
+
+
+def test_a_relaxation_still_queued_is_run_by_the_solve_itself():
+    """A prefetched relaxation that has not started when ``solve`` needs it (queued behind
+    another problem's on the one background thread) is cancelled and run in the caller's
+    thread, beside the other, instead of waiting for it."""
+    import threading
+
+    from autopar.search import solver
+
+    gate = threading.Event()
+    blocker = solver._LP_THREAD.submit(gate.wait, 60)  # occupies the background thread
+    try:
+        problem = _chain()
+        ahead = solver.prefetch_relaxation(problem, 10.0)
+        sol = solve(problem)
+        assert ahead.cancelled()
+        assert (sol.choice, sol.status) == ((1, 1), "optimal")
+    finally:
+        gate.set()
+        blocker.result(timeout=60)
