@@ -473,11 +473,22 @@ def _inner_options(options: SearchOptions, mesh: Mapping[str, int], m: int, limi
     )  # fmt: skip
 
 
+def _profile_options(options: SearchOptions, model: Mapping[str, int], acc: Any) -> SearchOptions:
+    """The intra-op search options of a group's profile: its mesh, no memory bound."""
+    return _inner_options(options, model or {"data": 1}, acc.microbatches, _UNBOUNDED)
+
+
 def profile(
-    graph: Graph, cluster: Any, options: SearchOptions, model: Mapping[str, int], acc: Any
+    graph: Graph,
+    cluster: Any,
+    options: SearchOptions,
+    model: Mapping[str, int],
+    acc: Any,
+    built: Any = None,
 ) -> Profile:
     """Solve and price one microbatch (``acc``) on the group ``model`` (see the module
-    docstring)."""
+    docstring); ``built``: its problem, built already
+    (:func:`autopar.search.planner.prebuild`)."""
     from autopar.search.planner import best_mesh
     from autopar.search.stages import evaluate_pipeline
 
@@ -486,9 +497,8 @@ def profile(
     # finalists are solved and priced in full), not a second solve from its pins (on a
     # 48-block encoder-decoder that halved each profile), and no plan is written for it.
     best = best_mesh(
-        graph, cluster, _inner_options(options, model or {"data": 1}, m, _UNBOUNDED),
-        accumulation=acc,
-    )  # fmt: skip
+        graph, cluster, _profile_options(options, model, acc), accumulation=acc, built=built
+    )
     one = Plan(best.mesh, pipeline=PipelinePlan(((0, len(graph.layers)),), "1f1b", m))
     ev = evaluate_pipeline(
         graph, one, cluster, acc, per_layer=True, completed=(best.built, best.solution)
@@ -718,7 +728,7 @@ def plan_outer(
             closest.
     """
     from autopar.progress import SearchProgress
-    from autopar.search.planner import plan_graph
+    from autopar.search.planner import plan_graph, prebuild
     from autopar.search.shortlist import rank
 
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
@@ -758,13 +768,17 @@ def plan_outer(
             if not priced:
                 raise  # the options ask for microbatches or stages the step cannot take
             return priced[0].plan
+        # Every group's problem is built first, each one's LP relaxation started on the
+        # solver's background thread as it is built (it runs while the next is built).
+        built = [prebuild(graph, cluster, _profile_options(options, g, acc1), acc1) for g in groups]
         profiles = {}
-        for g in groups:
+        for g, bp in zip(groups, built, strict=True):
             try:
-                profiles[tuple(sorted(g.items()))] = profile(graph, cluster, options, g, acc1)
+                profiles[tuple(sorted(g.items()))] = profile(graph, cluster, options, g, acc1, bp)
             except SolveShardingError:
                 pass  # the solver found no layout in time: the group is not offered
             bar.advance(f"profiled {g or 'one device'}")
+        del built
         groups = [g for g in groups if tuple(sorted(g.items())) in profiles]
         # A group's profile is solved without a memory bound (fastest layouts); what it
         # could hold at best is the whole state split over the group, and the finalists'

@@ -40,6 +40,7 @@ from autopar.options import SearchOptions
 from autopar.plan import Candidate, PipelinePlan, Plan
 from autopar.progress import SearchProgress
 from autopar.search.evaluate import complete_layouts, decode
+from autopar.search.ilp import BuiltProblem
 from autopar.search.intra_op import MeshResult, build_problem, solve_mesh, step_lower_bound
 from autopar.search.meshes import candidate_meshes, expert_dims, offered_axes
 from autopar.search.shortlist import candidate, rank, unsolved
@@ -232,10 +233,12 @@ def best_mesh(
     *,
     accumulation: Any = None,
     results: list | None = None,
+    built: BuiltProblem | None = None,
 ) -> MeshResult:
     """The intra-op search of :func:`plan_graph` without writing a plan: the best mesh's
     result (its built problem, solution and evaluation). The outer loop's profiles price
     this solution directly (writing a plan of a 48-block step costs half a second each).
+    ``built``: the problem of ``options.mesh``, built already (by :func:`prebuild`).
 
     Example:
         >>> import math
@@ -244,10 +247,27 @@ def best_mesh(
         >>> r.mesh, math.isclose(r.evaluation.step_time_s, r.solution.objective)
         ({'data': 2, 'tensor': 4}, True)
     """
-    best, tried, _, _ = _search(graph, cluster, options, accumulation, results, False)
+    best, tried, _, _ = _search(graph, cluster, options, accumulation, results, False, built)
     if results is not None:
         results.extend(tried)
     return best
+
+
+def prebuild(
+    graph: Graph, cluster: Any, options: SearchOptions, accumulation: Any = None
+) -> BuiltProblem:
+    """The problem of ``options.mesh`` (a fixed mesh) as :func:`best_mesh` builds it, with
+    its LP relaxation started on the solver's background thread: the outer loop builds
+    every group's profile problem first, so each relaxation runs while the next group's
+    problem is built, then solves them (``best_mesh(..., built=...)``)."""
+    if options.mesh is None:
+        raise InvalidOptionError("prebuild needs options.mesh: it builds one mesh's problem.")
+    if microbatch_count(graph, options) <= 1:
+        accumulation = None
+    limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
+    bp = build_problem(graph, cluster, options.mesh, options, limit, accumulation)
+    prefetch_relaxation(bp.problem, 0.5 * options.solver_time_limit_s)
+    return bp
 
 
 def _search(
@@ -257,10 +277,12 @@ def _search(
     accumulation: Any,
     results: list | None,
     name_by_role: bool,
+    built: BuiltProblem | None = None,
 ) -> tuple[MeshResult, list[MeshResult], PipelinePlan | None, Any]:
-    """Build and solve the candidate meshes: (the best result that fits, every mesh's
-    result, the microbatched step's one-stage pipeline or ``None``, the accumulation in
-    use). Raises what :func:`plan_graph` documents when nothing fits."""
+    """Build (``built``: the one mesh's problem, built already) and solve the candidate
+    meshes: (the best result that fits, every mesh's result, the microbatched step's
+    one-stage pipeline or ``None``, the accumulation in use). Raises what
+    :func:`plan_graph` documents when nothing fits."""
     _check(options, cluster)
     m = microbatch_count(graph, options)
     pipeline = None
@@ -281,8 +303,13 @@ def _search(
     ahead = []  # LP relaxations run on a second core while the next mesh is built
     with SearchProgress(2 * len(meshes), "search") as bar:
         try:
+            if built is not None and meshes != [dict(built.ctx.mesh_dict)]:
+                raise InvalidOptionError(
+                    f"a problem built for mesh {dict(built.ctx.mesh_dict)} was given for "
+                    f"meshes {meshes}: build it with prebuild(graph, cluster, options)."
+                )
             for mesh in meshes:
-                bp = build_problem(graph, cluster, mesh, options, limit, accumulation)
+                bp = built or build_problem(graph, cluster, mesh, options, limit, accumulation)
                 tried.append(MeshResult(mesh, step_lower_bound(bp), bp))
                 if len(meshes) > 1:
                     ahead.append(prefetch_relaxation(bp.problem, 0.5 * options.solver_time_limit_s))
