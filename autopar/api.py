@@ -342,6 +342,7 @@ def _finish_plan(p: Plan, graph: Graph) -> Plan:
     return p.bind(graph.in_tree, graph.out_tree)
 
 
+@gc_paused()  # it traces and builds as plan does (autopar.gc_pause)
 def evaluate(
     fn_or_graph: Callable | Graph,
     plan: Plan,
@@ -388,6 +389,7 @@ def evaluate(
     return evaluate_plan(graph, plan, _resolve_cluster(cluster), accumulation=acc)
 
 
+@gc_paused()  # it traces and builds as plan does (autopar.gc_pause)
 def complete(
     fn_or_graph: Callable | Graph,
     plan: Plan,
