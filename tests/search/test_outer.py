@@ -254,3 +254,28 @@ def test_a_profile_prices_its_search_solution_as_the_polished_plan(model):
     assert prof.state_bytes == pytest.approx(
         sum(b for k, b in bd.items() if k != "activations"), rel=1e-6
     )
+
+
+def test_a_profile_from_a_prebuilt_problem_is_the_same_profile():
+    """The outer loop builds every group's profile problem first (``prebuild``, which
+    starts each LP relaxation on the solver's background thread) and profiles from them;
+    the profile must be the one built and solved in place, field for field. A problem
+    built for another mesh is refused."""
+    from autopar.errors import InvalidOptionError
+    from autopar.lower.split import plan_accumulation
+    from autopar.search.outer import _profile_options, profile
+    from autopar.search.planner import best_mesh, prebuild
+
+    step, args = _gpt()
+    graph = _graph()
+    acc = plan_accumulation(step, args, BATCH // 2, full=graph)
+    model = {"tensor": 2}
+    opts = _profile_options(SearchOptions(), model, acc)
+    built = prebuild(graph, TWO_NODES, opts, acc)
+    assert dict(built.ctx.mesh_dict) == model
+    assert profile(graph, TWO_NODES, SearchOptions(), model, acc, built) == profile(
+        graph, TWO_NODES, SearchOptions(), model, acc
+    )
+    other = prebuild(graph, TWO_NODES, _profile_options(SearchOptions(), {}, acc), acc)
+    with pytest.raises(InvalidOptionError, match="built for mesh"):
+        best_mesh(graph, TWO_NODES, opts, accumulation=acc, built=other)
