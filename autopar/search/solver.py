@@ -72,11 +72,13 @@ first edge and 0.5 on the second, so ``a`` takes its dearer strategy to agree wi
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 import warnings
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -556,10 +558,42 @@ def _relaxation(
     return picked, bound
 
 
+class _Background:
+    """One daemon thread running submitted calls in order, each with a
+    :class:`~concurrent.futures.Future` (``submit`` as an executor's). A daemon, unlike a
+    ``ThreadPoolExecutor``'s worker, which the interpreter joins at exit: a relaxation
+    still running for a mesh the search skipped must not hold up the end of a script."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(e)
+
+
 # One background thread for LP relaxations started ahead of their solve. HiGHS releases
 # the GIL while it runs, so a relaxation proceeds beside the caller's Python (the planner
 # builds the next mesh's problem meanwhile) on a second core.
-_LP_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-lp")
+_LP_THREAD = _Background("autopar-lp")
 _AHEAD = "relaxation"  # the key of a started relaxation in a problem's _PRESOLVED entry
 
 

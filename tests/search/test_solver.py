@@ -322,3 +322,23 @@ def test_a_relaxation_still_queued_is_run_by_the_solve_itself():
     finally:
         gate.set()
         blocker.result(timeout=60)
+
+
+def test_a_relaxation_still_running_does_not_hold_up_the_end_of_a_script():
+    """The background thread is a daemon: a relaxation still running when a script ends (a
+    mesh the search skipped) is dropped, not waited for. A call that would block for two
+    minutes is submitted, then the interpreter exits; it must be gone well before that."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import threading\n"
+        "from autopar.search import solver\n"
+        "started = threading.Event()\n"
+        "solver._LP_THREAD.submit(lambda: (started.set(), threading.Event().wait(120)))\n"
+        "assert started.wait(30)\n"
+    )
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=100)
+    assert time.monotonic() - t0 < 60
