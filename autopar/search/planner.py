@@ -262,12 +262,26 @@ def prebuild(
     problem is built, then solves them (``best_mesh(..., built=...)``)."""
     if options.mesh is None:
         raise InvalidOptionError("prebuild needs options.mesh: it builds one mesh's problem.")
-    if microbatch_count(graph, options) <= 1:
-        accumulation = None
+    _check(options, cluster)
+    accumulation = _microbatched(graph, options, accumulation)
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
     bp = build_problem(graph, cluster, options.mesh, options, limit, accumulation)
     prefetch_relaxation(bp.problem, 0.5 * options.solver_time_limit_s)
     return bp
+
+
+def _microbatched(graph: Graph, options: SearchOptions, accumulation: Any) -> Any:
+    """The accumulation the options' microbatch count needs (``None`` for one), checked."""
+    m = microbatch_count(graph, options)
+    if m <= 1:
+        return None
+    if accumulation is None or accumulation.microbatches != m:
+        raise InvalidOptionError(
+            f"{m} microbatches: microbatching re-traces the step on one microbatch; plan "
+            "the step function with autopar.plan(fn, *args, options=...) rather than a "
+            "traced graph."
+        )
+    return accumulation
 
 
 def _search(
@@ -285,17 +299,8 @@ def _search(
     :func:`plan_graph` documents when nothing fits."""
     _check(options, cluster)
     m = microbatch_count(graph, options)
-    pipeline = None
-    if m > 1:
-        if accumulation is None or accumulation.microbatches != m:
-            raise InvalidOptionError(
-                f"{m} microbatches: microbatching re-traces the step on one microbatch; plan "
-                "the step function with autopar.plan(fn, *args, options=...) rather than a "
-                "traced graph."
-            )
-        pipeline = PipelinePlan(((0, len(graph.layers)),), "gpipe", m)
-    else:
-        accumulation = None
+    accumulation = _microbatched(graph, options, accumulation)
+    pipeline = PipelinePlan(((0, len(graph.layers)),), "gpipe", m) if m > 1 else None
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
     allowed = offered_axes(graph, cluster.num_devices, options)
     tried: list[MeshResult] = []
@@ -480,10 +485,12 @@ def _polish(
 
 __all__ = [
     "MeshResult",
+    "best_mesh",
     "build_problem",
     "candidate_meshes",
     "expert_dims",
     "microbatch_count",
     "offered_axes",
     "plan_graph",
+    "prebuild",
 ]

@@ -261,6 +261,8 @@ def test_a_profile_from_a_prebuilt_problem_is_the_same_profile():
     starts each LP relaxation on the solver's background thread) and profiles from them;
     the profile must be the one built and solved in place, field for field. A problem
     built for another mesh is refused."""
+    from dataclasses import replace
+
     from autopar.errors import InvalidOptionError
     from autopar.lower.split import plan_accumulation
     from autopar.search.outer import _profile_options, profile
@@ -279,3 +281,9 @@ def test_a_profile_from_a_prebuilt_problem_is_the_same_profile():
     other = prebuild(graph, TWO_NODES, _profile_options(SearchOptions(), {}, acc), acc)
     with pytest.raises(InvalidOptionError, match="built for mesh"):
         best_mesh(graph, TWO_NODES, opts, accumulation=acc, built=other)
+    with pytest.raises(InvalidOptionError, match="needs options.mesh"):
+        prebuild(graph, TWO_NODES, SearchOptions(), acc)
+    with pytest.raises(InvalidOptionError, match="needs 64 devices"):
+        prebuild(graph, TWO_NODES, replace(opts, mesh={"tensor": 64}), acc)
+    with pytest.raises(InvalidOptionError, match="microbatches"):
+        prebuild(graph, TWO_NODES, opts, None)
