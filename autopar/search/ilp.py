@@ -86,6 +86,12 @@ class BuiltProblem:
     unsupported: tuple[str, ...] = ()
     coarse_stats: Mapping[str, int] = field(default_factory=dict)
     value_refs: Mapping[int, Ref] = field(default_factory=dict)
+    # choice -> its exact peak: a solution's peak is read when the solve checks it against
+    # the bound and again when it is decoded (a 48-block step: 0.15 s each). A problem
+    # made by ``replace`` starts its own (init=False fields are not copied).
+    _peaks: dict[tuple[int, ...], tuple[float, int, dict[str, float]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     # -- reading a choice -------------------------------------------------------------
     def strategy(self, op: int, choice: Sequence[int]) -> OpStrategy:
@@ -159,7 +165,11 @@ class BuiltProblem:
 
     def peak(self, choice: Sequence[int]) -> tuple[float, int, dict[str, float]]:
         """Exact peak bytes per device: (bytes, moment, breakdown) (:func:`.memory.peak`)."""
-        return memory.peak(self, choice)
+        key = tuple(choice)
+        hit = self._peaks.get(key)
+        if hit is None:
+            hit = self._peaks[key] = memory.peak(self, choice)
+        return hit[0], hit[1], dict(hit[2])
 
     def memory_constraint(self, moment: int) -> MemoryConstraint:
         """The linear memory constraint of one moment (persistent + live values)."""

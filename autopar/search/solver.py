@@ -193,19 +193,35 @@ def _merged_matrix(
     dst_cols: Sequence[int],
 ) -> list[list[float]]:
     """The parallel edges' cost matrices summed over merged classes (edge ``k``'s entry
-    at ``(src_keys[i][src_cols[k]], dst_keys[j][dst_cols[k]])``, added in edge order)."""
-    mats = [e.costs for e in group]
-    out = []
-    for a in src_keys:
-        rows = [m[a[c]] for m, c in zip(mats, src_cols, strict=True)]
-        line = []
-        for b in dst_keys:
-            t = 0.0
-            for row, c in zip(rows, dst_cols, strict=True):
-                t += row[b[c]]
-            line.append(t)
-        out.append(line)
-    return out
+    at ``(src_keys[i][src_cols[k]], dst_keys[j][dst_cols[k]])``, added in edge order).
+
+    Each edge's matrix is read at its classes' rows and columns as one array and the
+    arrays are added one edge after the other from zero, so every entry is the same
+    sequence of float additions as a loop over the edges would make; a tied block's
+    copies share one matrix object, converted once.
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> a, b = E(costs=((1.0, 2.0), (3.0, 4.0))), E(costs=((10.0, 20.0), (30.0, 40.0)))
+        >>> _merged_matrix([a, b], [(0, 1), (1, 0)], [0, 1], [(0, 0), (1, 1)], [0, 1])
+        [[31.0, 42.0], [13.0, 24.0]]
+    """
+    arrays: dict[int, np.ndarray] = {}
+    rows: dict[int, np.ndarray] = {}
+    cols: dict[int, np.ndarray] = {}
+    out = np.zeros((len(src_keys), len(dst_keys)))
+    for e, sc, dc in zip(group, src_cols, dst_cols, strict=True):
+        m = arrays.get(id(e.costs))
+        if m is None:
+            m = arrays[id(e.costs)] = np.asarray(e.costs, dtype=np.float64)
+        r = rows.get(sc)
+        if r is None:
+            r = rows[sc] = np.array([a[sc] for a in src_keys], dtype=np.intp)
+        c = cols.get(dc)
+        if c is None:
+            c = cols[dc] = np.array([b[dc] for b in dst_keys], dtype=np.intp)
+        out += m[r[:, None], c[None, :]]
+    return out.tolist()
 
 
 def _reduce(problem: ShardingProblem) -> _Reduced:

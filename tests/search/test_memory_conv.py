@@ -101,6 +101,22 @@ def test_model_peak_of_a_conv_step_is_the_hand_count():
     assert breakdown["activations"] == 4 * ACT + LOSS
 
 
+def test_a_peak_read_again_is_the_same_and_its_breakdown_is_the_callers():
+    """The solve reads a solution's peak and decode reads it again (memoised per choice):
+    the second answer is the hand count too, a caller's edit of a breakdown reaches no
+    other caller, and a problem under another bound (``replace``) keeps the same peak."""
+    graph = trace(_step, *_args())
+    bp = build(graph, CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 1}))
+    choice = [0] * len(bp.groups)
+    first = bp.peak(choice)
+    first[2]["activations"] = -1.0  # the caller's own dict
+    again = bp.peak(choice)
+    assert again[0] == MODEL_PEAK and again[2]["activations"] == 4 * ACT + LOSS
+    assert again[1] == first[1]
+    bounded = bp.with_memory_limit(1.0)
+    assert bounded.peak(choice)[0] == MODEL_PEAK
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own buffers")
 def test_xla_cpu_adds_its_conv_layout_copies_and_the_kernel_copy():
     params, x = _args()

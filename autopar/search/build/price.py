@@ -124,6 +124,7 @@ class _Pricer:
         self._from_replicated = _from_replicated(coarse, catalog) if self.penalty else set()
         self._class_cache: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
         self._matrix_cache: dict[tuple, tuple] = {}
+        self._matrix_by_id: dict[tuple, tuple] = {}  # the same, keyed by the layouts' ids
         self._reshard_cache: dict[tuple, float] = {}
 
     def run(self) -> Priced:
@@ -340,17 +341,26 @@ class _Pricer:
                 w = min(op.weight, self.ops[ref.op].weight)
                 source = self.ops[prod.ops[0]]
                 into = feeds_state_update(op, self.ops[cons.ops[0]])
-                mkey = (t.shape, t.dtype, src_keys, dst_keys, w, source.root_role, into)
-                mat = self._matrix_cache.get(mkey)
+                # Looked up by the layout tuples' identity first (the class cache hands
+                # every tied copy the same tuples; hashing them by value is most of this
+                # loop's time), then by value, so equal matrices stay one object.
+                fast = (t.shape, t.dtype, id(src_keys), id(dst_keys), w, source.root_role, into)
+                mat = self._matrix_by_id.get(fast)
                 if mat is None:
-                    mat = tuple(
-                        tuple(
-                            0.0 if n is None else w * self._reshard_s(op, k, h, n, source, into)
-                            for n in dst_keys
+                    mkey = (t.shape, t.dtype, src_keys, dst_keys, w, source.root_role, into)
+                    mat = self._matrix_cache.get(mkey)
+                    if mat is None:
+                        mat = tuple(
+                            tuple(
+                                0.0
+                                if n is None
+                                else w * self._reshard_s(op, k, h, n, source, into)
+                                for n in dst_keys
+                            )
+                            for h in src_keys
                         )
-                        for h in src_keys
-                    )
-                    self._matrix_cache[mkey] = mat
+                        self._matrix_cache[mkey] = mat
+                    self._matrix_by_id[fast] = mat
                 refs.append(EdgeRef(op.index, k, ref, len(edges)))
                 edges.append(
                     ProblemEdge(
