@@ -352,9 +352,7 @@ class _Pricer:
                     if mat is None:
                         mat = tuple(
                             tuple(
-                                0.0
-                                if n is None
-                                else w * self._reshard_s(op, k, h, n, source, into)
+                                0.0 if n is None else w * self._reshard_s(op, k, h, n, source, into)
                                 for n in dst_keys
                             )
                             for h in src_keys
