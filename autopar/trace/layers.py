@@ -42,7 +42,7 @@ import hashlib
 import math
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from autopar.trace.build import is_float_dtype
@@ -125,13 +125,15 @@ def find_layers(
         order = min(ids)
         protos.append(_Proto(name, "named", order, node_set))
     if named:
+        # An input belongs to the first layer (in program order) whose name is a run of
+        # its path's components: every run of the path looked up at once.
+        first: dict[tuple[str, ...], int] = {}
+        for k, (name, _) in enumerate(named):
+            first.setdefault(tuple(name.split("/")), k)
         for i in inputs:
-            comps = i.path.split("/")
-            for k, (name, _) in enumerate(named):
-                parts = name.split("/")
-                if _contains_run(comps, parts):
-                    input_proto[i.value] = k
-                    break
+            hits = [first[run] for run in _runs(i.path.split("/")) if run in first]
+            if hits:
+                input_proto[i.value] = min(hits)
     for k, p in enumerate(protos):
         for nid in p.nodes:
             node_proto[nid] = k
@@ -165,9 +167,16 @@ def find_layers(
 # -- named ---------------------------------------------------------------------------------
 
 
-def _contains_run(comps: list[str], parts: list[str]) -> bool:
-    n = len(parts)
-    return any(comps[j : j + n] == parts for j in range(len(comps) - n + 1))
+def _runs(comps: Sequence[str]) -> Iterator[tuple[str, ...]]:
+    """Every contiguous run of ``comps``.
+
+    Example:
+        >>> list(_runs(["a", "b", "c"]))
+        [('a',), ('a', 'b'), ('a', 'b', 'c'), ('b',), ('b', 'c'), ('c',)]
+    """
+    for i in range(len(comps)):
+        for j in range(i + 1, len(comps) + 1):
+            yield tuple(comps[i:j])
 
 
 def _named(nodes: Sequence[Node]) -> list[tuple[str, list[int]]]:
