@@ -87,7 +87,7 @@ class BuiltProblem:
     coarse_stats: Mapping[str, int] = field(default_factory=dict)
     value_refs: Mapping[int, Ref] = field(default_factory=dict)
     # choice -> its exact peak: a solution's peak is read when the solve checks it against
-    # the bound and again when it is decoded (a 48-block step: 0.15 s each). A problem
+    # the bound and again when it is decoded (a 48-block step: about 0.1 s each). A problem
     # made by ``replace`` starts its own (init=False fields are not copied).
     _peaks: dict[tuple[int, ...], tuple[float, int, dict[str, float]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
