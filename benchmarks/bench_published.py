@@ -280,9 +280,10 @@ def jean_zay(gpus: int) -> Any:
     return replace(base, name="jean-zay", inter=opa)
 
 
-def evaluate_run(run: PublishedRun) -> dict[str, Any]:
+def evaluate_run(run: PublishedRun, overlap_efficiency: float | None = None) -> dict[str, Any]:
     """The planner's evaluation of ``run``'s fixed configuration; the table's row as a dict
-    (``error`` on failure).
+    (``error`` on failure). ``overlap_efficiency`` replaces the cluster's (for
+    :func:`fit_overlap_efficiency`).
 
     Example:
         >>> r = evaluate_run(published_runs(["t1-1.7b"])[0])  # doctest: +SKIP
@@ -311,6 +312,8 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
         )  # fmt: skip
         step, args = make_train_step(cfg, run.global_batch)
         cluster = jean_zay(run.gpus) if run.cluster == "jean-zay" else cluster_2021(run.gpus)
+        if overlap_efficiency is not None:
+            cluster = replace(cluster, overlap_efficiency=overlap_efficiency)
         graph = autopar.trace(step, *args)
         m = run.microbatches
         schedule, v = run.schedule()
@@ -329,12 +332,13 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
             mesh = {"pipe": run.pipeline, **inner_mesh}
             _, ev = price_pipeline(
                 step, args, graph, cluster, mesh, m, schedule, v, "full", inner, acc,
-                MEMORY_LIMIT,
+                MEMORY_LIMIT, reduce_after_flush=run.reduces_after_flush,
             )  # fmt: skip
         else:
             ev = evaluate_pipeline(
-                graph, _one_stage(graph, inner, m), cluster, acc, memory_limit_bytes=MEMORY_LIMIT
-            )
+                graph, _one_stage(graph, inner, m), cluster, acc, memory_limit_bytes=MEMORY_LIMIT,
+                reduce_after_flush=run.reduces_after_flush,
+            )  # fmt: skip
         flops = megatron_flops_per_iteration(
             run.global_batch, run.seq, run.layers, run.hidden, run.vocab, recompute=True
         )
@@ -370,6 +374,49 @@ def evaluate_run(run: PublishedRun) -> dict[str, Any]:
     out["eval_s"] = time.perf_counter() - t0
     out["within"] = "error" not in out and abs(out["err"]) <= TOLERANCE[run.group]
     return out
+
+
+def fit_overlap_efficiency(
+    names: list[str] | None = None, lo: float = 0.0, hi: float = 0.6, steps: int = 16
+) -> float:
+    """The ``overlap_efficiency`` minimising the squared log error of the planner's
+    evaluation over the runs ``names`` (default: Table 2's six ZeRO-3 rows, the only
+    published runs whose step hides communication behind compute: a pure data-parallel
+    step whose parameter gathers and gradient reduce-scatters run beside the layers).
+
+    Golden-section search over ``[lo, hi]``, ``steps`` narrowings;
+    ``cost_models.cluster.DEFAULT_OVERLAP_EFFICIENCY`` is this, rounded to two digits.
+    Slow: six 175B / 530B evaluations per step.
+
+    Example:
+        >>> round(fit_overlap_efficiency(), 2)  # doctest: +SKIP
+        0.27
+    """
+    import math
+
+    runs = published_runs(names or [r.name for r in published_runs() if r.zero_stage == 3])
+
+    def loss(eta: float) -> float:
+        rows = [evaluate_run(r, overlap_efficiency=eta) for r in runs]
+        bad = [r["row"] for r in rows if "error" in r]
+        if bad:
+            raise RuntimeError(f"rows {bad} failed: {[r['error'] for r in rows if 'error' in r]}")
+        return sum(math.log1p(r["err"]) ** 2 for r in rows)
+
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = loss(c), loss(d)
+    for _ in range(steps):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = loss(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = loss(d)
+    return (a + b) / 2
 
 
 def _config_text(run: PublishedRun) -> str:

@@ -12,22 +12,24 @@ published measurements (Tables 1 and 2, ../shared/reference), not part of the pl
 ONE set of constants serves every row; nothing is tuned per row:
 
 * the ``dgx-a100-80gb`` cluster preset as it is (NVLink 230 GB/s and InfiniBand 25 GB/s
-  per GPU bus bandwidth, NCCL per-step latencies, ``overlap_efficiency`` 0.6), wrapped by
+  per GPU bus bandwidth, NCCL per-step latencies, ``overlap_efficiency`` 0.27), wrapped by
   :func:`selene`;
 * the default matmul efficiency curve (``half_dim`` 64, HBM fraction 0.88) with its
   ``peak_fraction`` set to 0.69: fitted once, by least squares on log throughput over all
   ten Table 1 rows (:func:`fit_peak_fraction`). It stands for what Megatron-LM's 2021
   kernels (PyTorch + cuBLAS on A100) reached on large GEMMs, 84% of the default curve's
   H200-measured 0.82. ``overlap_efficiency`` (cluster.py) is the only other fitted number,
-  on Table 2's six ZeRO-3 rows (PTD-P rows do not overlap communication);
+  fitted by the planner's evaluation on Table 2's six ZeRO-3 rows (PTD-P rows do not
+  overlap communication) and used here as it is;
 * the workload constants of :class:`Assumptions`: the fused-kernel traffic of a Megatron
   layer (listed in ``_layer_times``), fp16 activations and gradients, full activation
   recomputation, scatter/gather pipeline sends, gradients all-reduced after the pipeline
   flush (no overlap, as Megatron-LM 2021);
 * microbatch b = 1 unless the table gives it (the repo's 175B script uses 1), and v = the
   smallest divisor >= 2 of the layers per stage when p > 1 (the paper does not give v);
-* DeepSpeed ZeRO-3: per microbatch, every layer's parameters are all-gathered three times
-  (forward, recomputed forward, backward) and its gradients reduce-scattered once, over
+* DeepSpeed ZeRO-3: per microbatch, every layer's parameters are all-gathered twice, one
+  collective per module (forward; recomputed forward, kept for the backward that follows)
+  and its gradients reduce-scattered once, over
   the whole data-parallel group; :func:`selene` sets ``owner_collectives`` (the ZeRO
   paper's per-owner broadcasts / reduces, one GPU's NIC on the whole buffer: 2021's
   software generation), since NCCL's own all-gather over all NICs would put ZeRO-3 at
@@ -414,7 +416,12 @@ def _zero3(
     head_f, head_b = _head_and_embedding(model, par, cluster, asm)
     fwd = model.l * lt.fwd_compute + head_f
     bwd = model.l * (lt.fwd_compute + lt.bwd_compute) + head_b
-    layer_bytes = (12.0 * model.h**2 + 13.0 * model.h) * asm.grad_bytes
+    h = model.h
+    layer_bytes = (12.0 * h**2 + 13.0 * h) * asm.grad_bytes
+    # A layer's modules, whose parameters DeepSpeed fetches together (each module's
+    # pre-forward / pre-backward hook): two layer norms, QKV, the projection, two MLP
+    # linears; 12 h^2 + 13 h parameters in all.
+    modules = [2 * h, 3 * h * h + 3 * h, h * h + h, 2 * h, 4 * h * h + 4 * h, 4 * h * h + h]
     embed_bytes = (model.V + model.s) * model.h * asm.grad_bytes
 
     def ag(nbytes: float) -> float:
@@ -423,10 +430,12 @@ def _zero3(
     def rs(nbytes: float) -> float:
         return collective_time("reduce-scatter", nbytes, cluster, mesh, ["data"])
 
-    # Per microbatch, each layer's parameters are gathered for the forward, the recomputed
-    # forward and the backward; its gradient is reduce-scattered once. Embeddings: gathered
-    # for forward and backward, reduce-scattered once.
-    gather = m * (3 * model.l * ag(layer_bytes) + 2 * ag(embed_bytes))
+    # Per microbatch, each module's parameters are gathered for the forward and for the
+    # recomputed forward, whose gathered parameters its backward, which follows at once,
+    # reuses (DeepSpeed keeps a parameter due again within ``stage3_max_reuse_distance``);
+    # each layer's gradient is reduce-scattered once. Embeddings: gathered for forward and
+    # backward, reduce-scattered once.
+    gather = m * (2 * model.l * sum(ag(k * asm.grad_bytes) for k in modules) + 2 * ag(embed_bytes))
     scatter = m * (model.l * rs(layer_bytes) + rs(embed_bytes))
     params_gpu = model.num_params / par.d
     opt = compute_time(

@@ -144,8 +144,6 @@ def bound_linear_overlap(
     hideable: Mapping[str, float],
     exposed_s: float,
     overlap_efficiency: float,
-    *,
-    reduce_after_flush: int | None = None,
 ) -> float:
     """A linearly priced step with its hiding bounded by the compute there is.
 
@@ -165,12 +163,6 @@ def bound_linear_overlap(
         exposed_s: the other collectives' seconds per device inside ``work_s`` (charged
             in full: tensor-parallel, resharding, the loss's reduction).
         overlap_efficiency: ``eta``, ``Cluster.overlap_efficiency``.
-        reduce_after_flush: ``m``: the program reduces data-parallel gradients once per
-            step after its last microbatch (Megatron-LM 2021, the DeepSpeed pipeline
-            engine, ZeRO 0-2) where the linear price reduced them in each of its ``m``
-            microbatches: one microbatch's worth (``1 / m`` of ``hideable["dp_grad"]``)
-            is charged in full, hidden behind nothing (no compute is left after the
-            flush).
 
     Returns:
         The step's seconds.
@@ -179,18 +171,10 @@ def bound_linear_overlap(
         >>> # raw compute 30 - 0.4 x 50 = 10; hides min(50, 0.6 x 10) = 6 s of gathers
         >>> bound_linear_overlap(30.0, 30.0, {"fsdp_gather": 50.0}, 0.0, 0.6)  # 30 + 30 - 6
         54.0
-        >>> # raw 20; 8 s of per-microbatch reductions become one of 8 / 4 = 2 s, exposed
-        >>> round(bound_linear_overlap(23.2, 23.2, {"dp_grad": 8.0}, 0.0, 0.6,
-        ...                            reduce_after_flush=4), 6)
-        22.0
     """
     check_positive("overlap_efficiency", overlap_efficiency, allow_zero=True)
     if overlap_efficiency > 1:
         raise CostModelError(f"overlap_efficiency must be in [0, 1]; got {overlap_efficiency!r}")
-    if reduce_after_flush is not None and reduce_after_flush < 1:
-        raise CostModelError(
-            f"reduce_after_flush must be >= 1 microbatches; got {reduce_after_flush!r}"
-        )
     for name in hideable:
         if name not in ("dp_grad", "fsdp_gather"):
             raise CostModelError(
@@ -205,9 +189,6 @@ def bound_linear_overlap(
     charged = exposed_s + (1.0 - eta) * sum(hide.values())
     budget = eta * max(work_s - charged, 0.0)
     step = linear_step_s + eta * sum(hide.values())  # every hideable second in full
-    if reduce_after_flush:
-        step += hide["dp_grad"] * (1.0 / reduce_after_flush - 1.0)
-        hide["dp_grad"] = 0.0
     hidden = 0.0
     for cls in ("fsdp_gather", "dp_grad"):
         h = min(hide[cls], budget)

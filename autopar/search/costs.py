@@ -50,13 +50,26 @@ class CostContext:
         mesh: ordered axis -> size.
         padded: price uneven splits as padded partitions (``MeshShape.padded``: only
             for a plan that asks for them, ``sharding.uneven_plan``).
+        dp_grad_weight: what one second of a gradient reduction weighs in the linear
+            price the ILP minimises (``None``: ``1 - overlap_efficiency``, as every
+            hideable class). A completion for a program that reduces the gradients of
+            ``m`` microbatches once after them, exposed, weighs each microbatch's
+            reduction ``1 / m`` (:func:`autopar.search.stages.evaluate_pipeline`'s
+            ``reduce_after_flush``).
     """
 
-    def __init__(self, cluster: Any, mesh: Mapping[str, int], padded: bool = False) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        mesh: Mapping[str, int],
+        padded: bool = False,
+        dp_grad_weight: float | None = None,
+    ) -> None:
         import cost_models
 
         self._cm = cost_models
         self.cluster = cluster
+        self.dp_grad_weight = None if dp_grad_weight is None else float(dp_grad_weight)
         self.mesh = MeshShape.from_mapping(mesh, padded)
         self.mesh_dict = self.mesh.as_dict()
         self.device = cluster.device

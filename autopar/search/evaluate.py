@@ -432,7 +432,13 @@ include it."""
 _COMPLETED_PER_GRAPH = 8
 
 
-def _completion_key(plan: Plan, cluster: Any, coarsen: bool, as_propagation: bool) -> str:
+def _completion_key(
+    plan: Plan,
+    cluster: Any,
+    coarsen: bool,
+    as_propagation: bool,
+    dp_grad_weight: float | None = None,
+) -> str:
     """What a completion depends on besides the graph and the accumulation: the mesh, the
     inputs' and pins' layouts, the microbatch count, the cluster and the flags."""
     m = plan.pipeline.microbatches if plan.pipeline is not None else 1
@@ -446,6 +452,7 @@ def _completion_key(plan: Plan, cluster: Any, coarsen: bool, as_propagation: boo
             cluster,
             coarsen,
             as_propagation,
+            dp_grad_weight,
         )
     )
 
@@ -458,18 +465,19 @@ def _complete(
     coarsen: bool,
     accumulation: Any = None,
     as_propagation: bool = True,
+    dp_grad_weight: float | None = None,
 ) -> tuple[BuiltProblem, Any]:
     """:func:`_solve_completion`, memoised per graph: an equal plan completed again (by
     the same accumulation, under a time limit no longer than the one solved, or solved
     to optimality) returns the first result."""
     memo = graph.__dict__.setdefault("_completed", [])
-    key = _completion_key(plan, cluster, coarsen, as_propagation)
+    key = _completion_key(plan, cluster, coarsen, as_propagation, dp_grad_weight)
     for acc, k, limit, result in memo:
         if acc is accumulation and k == key:
             if result[1].status == "optimal" or limit >= time_limit_s:
                 return result
     result = _solve_completion(
-        graph, plan, cluster, time_limit_s, coarsen, accumulation, as_propagation
+        graph, plan, cluster, time_limit_s, coarsen, accumulation, as_propagation, dp_grad_weight
     )
     memo.append((accumulation, key, time_limit_s, result))
     del memo[:-_COMPLETED_PER_GRAPH]
@@ -484,6 +492,7 @@ def _solve_completion(
     coarsen: bool,
     accumulation: Any = None,
     as_propagation: bool = True,
+    dp_grad_weight: float | None = None,
 ) -> tuple[BuiltProblem, Any]:
     if plan.pipeline is not None and plan.pipeline.num_stages > 1:
         raise InvalidOptionError(
@@ -496,7 +505,7 @@ def _solve_completion(
         )
     fixed, raw = plan_constraints(graph, plan)
     # Uneven input / output splits (ZeRO-3's padded partitions) are priced as padded.
-    ctx = CostContext(cluster, plan.mesh, padded=uneven_plan(plan))
+    ctx = CostContext(cluster, plan.mesh, padded=uneven_plan(plan), dp_grad_weight=dp_grad_weight)
     # A plan with pinned activations (the planner's, or complete_plan's) is complete: its
     # remaining freedom (loop-body inputs) is resolved at the cheapest, as planned. Only
     # a plan that pins nothing is completed the way propagation would (unless the caller
@@ -546,14 +555,18 @@ def complete_layouts(
     time_limit_s: float = 60.0,
     coarsen: bool = True,
     accumulation: Any = None,
+    dp_grad_weight: float | None = None,
 ) -> tuple[BuiltProblem, Any]:
     """The plan's problem with everything it pins fixed, solved: ``(built, solution)``.
 
     This is the problem :func:`evaluate_plan` scores; the planner solves it once more for
     the plan it writes (what the plan pins may be made more cheaply than the first
     solve, stopped by its time limit, found), so its prediction is what
-    ``evaluate_plan`` reports for it."""
-    return _complete(graph, plan, cluster, time_limit_s, coarsen, accumulation)
+    ``evaluate_plan`` reports for it. ``dp_grad_weight`` completes it for another
+    program's gradient reductions instead (:class:`CostContext`)."""
+    return _complete(
+        graph, plan, cluster, time_limit_s, coarsen, accumulation, dp_grad_weight=dp_grad_weight
+    )
 
 
 def evaluate_plan(

@@ -529,12 +529,13 @@ _UNBOUNDED = float(1 << 62)
 def price_pipeline(
     fn: Callable, args: tuple, graph: Graph, cluster: Any, mesh: Mapping[str, int],
     m: int, schedule: str, v: int, remat: str, inner: Plan | None, acc: Any, limit: float,
-    stages: tuple[tuple[int, int], ...] | None = None,
+    stages: tuple[tuple[int, int], ...] | None = None, reduce_after_flush: bool = False,
 ) -> tuple[Plan, Any]:  # fmt: skip
     """One pipeline plan and its price: the runtime's layout (``baselines.pipeline`` with
     ``inner`` inside the stages, the layer ranges ``stages``, or even), its stages'
     layouts pinned, priced by :func:`autopar.search.stages.evaluate_pipeline` from the
-    program it lowers to."""
+    program it lowers to (``reduce_after_flush``: its layouts completed for a program
+    that reduces gradients after the flush, as there)."""
     from autopar import baselines
     from autopar.lower.program import pipeline_program
     from autopar.search.stages import evaluate_pipeline, pipeline_activations
@@ -547,10 +548,13 @@ def price_pipeline(
         plan = replace(plan, name=f"{plan.name} (remat {remat})")
     # The stages' layouts pinned, so the program runs what is priced.
     pins = inner.activations if isinstance(inner, Plan) else ()
-    plan = replace(plan, activations=pipeline_activations(graph, plan, cluster, acc, pins=pins))
+    pinned = pipeline_activations(
+        graph, plan, cluster, acc, pins=pins, reduce_after_flush=reduce_after_flush
+    )
+    plan = replace(plan, activations=pinned)
     ev = evaluate_pipeline(
         graph, plan, cluster, acc, memory_limit_bytes=limit,
-        program=pipeline_program(graph, plan, acc),
+        program=pipeline_program(graph, plan, acc), reduce_after_flush=reduce_after_flush,
     )  # fmt: skip
     return plan, ev
 

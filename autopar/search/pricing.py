@@ -55,10 +55,19 @@ STATE_ROLES = ("param", "opt_state")
 """Input roles stored across steps whose layout ZeRO / FSDP chooses."""
 
 
-def class_weight(cls: str, overlap_efficiency: float) -> float:
+def class_weight(cls: str, overlap_efficiency: float, dp_grad_weight: float | None = None) -> float:
     """How much one second of a communication class counts in the step time: classes
     that overlap with compute (``cost_models.HIDEABLE_CLASSES``) count
-    ``1 - overlap_efficiency``, everything else in full."""
+    ``1 - overlap_efficiency``, everything else in full. ``dp_grad_weight``, if given,
+    is the weight of a gradient reduction instead (a completion for a program that
+    reduces gradients elsewhere: :attr:`CostContext.dp_grad_weight`).
+
+    Example:
+        >>> class_weight("dp_grad", 0.6, dp_grad_weight=0.25), class_weight("fsdp_gather", 0.6, 0.25)
+        (0.25, 0.4)
+    """
+    if dp_grad_weight is not None and cls == "dp_grad":
+        return dp_grad_weight
     return 1.0 - overlap_efficiency if cls in HIDEABLE_CLASSES else 1.0
 
 
@@ -206,10 +215,11 @@ class StrategyPrice:
     flops: float
     collectives: tuple[PricedCollective, ...] = ()
 
-    def linear_s(self, overlap_efficiency: float) -> float:
+    def linear_s(self, overlap_efficiency: float, dp_grad_weight: float | None = None) -> float:
         """Its part of the linear step time (without the combined latencies)."""
         return self.compute_s + sum(
-            class_weight(c.cls, overlap_efficiency) * c.own_s for c in self.collectives
+            class_weight(c.cls, overlap_efficiency, dp_grad_weight) * c.own_s
+            for c in self.collectives
         )
 
     @property
@@ -312,14 +322,20 @@ def reshard_state_split(c: Collective, need: Sharding, *, state: bool, into_stat
     return False
 
 
-def reshard_linear_s(colls: Sequence[PricedCollective], overlap_efficiency: float) -> float:
+def reshard_linear_s(
+    colls: Sequence[PricedCollective],
+    overlap_efficiency: float,
+    dp_grad_weight: float | None = None,
+) -> float:
     """A reshard's part of the linear step time."""
-    return sum(class_weight(c.cls, overlap_efficiency) * c.own_s for c in colls)
+    return sum(class_weight(c.cls, overlap_efficiency, dp_grad_weight) * c.own_s for c in colls)
 
 
-def combined_linear_s(r: CombinedReduction, overlap_efficiency: float) -> float:
+def combined_linear_s(
+    r: CombinedReduction, overlap_efficiency: float, dp_grad_weight: float | None = None
+) -> float:
     """A combined gradient reduction's latency, weighted as a gradient reduction."""
-    return r.executions * class_weight("dp_grad", overlap_efficiency) * r.latency_s
+    return r.executions * class_weight("dp_grad", overlap_efficiency, dp_grad_weight) * r.latency_s
 
 
 # ----------------------------------------------------------------------------- a choice

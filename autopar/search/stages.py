@@ -48,7 +48,11 @@ compute (:func:`cost_models.overlap.bound_linear_overlap`, gathers first), and
 ``extra["after_flush_step_s"]`` the step of a program that reduces the stages'
 data-parallel gradients once after the flush instead of in every microbatch (Megatron-LM
 2021, the DeepSpeed pipeline engine; the lowered program here reduces them inside each
-stage's backward piece, per microbatch: ``tests/lower/test_verify_pipeline.py``).
+stage's backward piece, per microbatch: ``tests/lower/test_verify_pipeline.py``): the
+schedule simulated again on the stage work without those reductions, then each device's
+reduction of its accumulated gradients (one microbatch's bytes), exposed, the devices at
+once. ``reduce_after_flush=True`` also completes the layouts the plan leaves free for
+that program (a microbatch's reduction weighs ``1 / m`` in the completion).
 
 Example:
     >>> from benchmarks.models.gpt import GPTConfig, make_train_step
@@ -203,6 +207,7 @@ def pipeline_activations(
     time_limit_s: float = 60.0,
     pipe_axis: str = "pipe",
     pins: Sequence[ActivationConstraint] = (),
+    reduce_after_flush: bool = False,
 ) -> tuple[ActivationConstraint, ...]:
     """The activation pins that make a pipeline's stages run what was priced.
 
@@ -220,6 +225,9 @@ def pipeline_activations(
       pipeline splits that scan over the stages (each runs its own layers' slice of the
       stacked values), so the whole stacked value never exists. Pins inside its body
       (one layer's values) apply in every stage.
+
+    With ``reduce_after_flush`` the completion is the one
+    :func:`evaluate_pipeline` makes for a program that reduces gradients after the flush.
 
     The node ids and scopes are those of ``accumulation.micro`` (equal to the whole
     batch's trace, equation by equation); no spec mentions ``pipe``. Store them in
@@ -251,8 +259,9 @@ def pipeline_activations(
         # the inputs alone, which re-solves the whole step (a minute on an encoder-decoder).
         flat = dataclasses.replace(flat, activations=tuple(pins))
     bp, sol = complete_layouts(
-        graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation
-    )
+        graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation,
+        dp_grad_weight=_after_flush_weight(accumulation.microbatches, reduce_after_flush),
+    )  # fmt: skip
     micro = accumulation.micro
     grads = set(accumulation.gradient_eqns)
 
@@ -263,6 +272,13 @@ def pipeline_activations(
         return bool(c.scope) or not _layer_scan(micro, c.node)
 
     return tuple(c for c in pinned_activations(bp, sol.choice) if applied(c))
+
+
+def _after_flush_weight(m: int, reduce_after_flush: bool) -> float | None:
+    """The completion's weight of one microbatch's gradient reduction in a program that
+    reduces the ``m`` microbatches' gradients once after the flush, exposed: ``1 / m``
+    (``None``: the lowered program's, reduced in every microbatch at ``1 - eta``)."""
+    return 1.0 / m if reduce_after_flush else None
 
 
 def _layer_scan(graph: Graph, nid: int) -> bool:
@@ -285,6 +301,7 @@ def evaluate_pipeline(
     program: Any = None,
     per_layer: bool = False,
     completed: tuple[Any, Any] | None = None,
+    reduce_after_flush: bool = False,
 ) -> Evaluation:
     """Price a pipeline plan (see the module docstring).
 
@@ -306,6 +323,13 @@ def evaluate_pipeline(
         completed: the stages' problem already built and solved, ``(built, solution)``
             (the outer loop's profiles: the intra-op search's own solution on the
             sub-mesh, not solved again from the plan's pins).
+        reduce_after_flush: complete the layouts the plan leaves free for the program
+            ``extra["after_flush_step_s"]`` prices (data-parallel gradients reduced once
+            after the flush: one microbatch's reduction weighs ``1 / m``, exposed) rather
+            than for the lowered program (reduced in every microbatch, ``1 - eta``
+            each). Without it the after-flush step keeps layouts chosen for the other
+            program. For a published run's program (``benchmarks.bench_published``); the
+            other fields still price the lowered program, with these layouts.
 
     Raises:
         LoadPlanError: the plan's mesh has no ``pipe`` axis of the plan's stage count, or
@@ -338,8 +362,9 @@ def evaluate_pipeline(
     if completed is None:
         flat = _flat_plan(graph, plan, pipe_axis, keep_pins=True)
         completed = complete_layouts(
-            graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation
-        )
+            graph, flat, cluster, time_limit_s=time_limit_s, accumulation=accumulation,
+            dp_grad_weight=_after_flush_weight(m, reduce_after_flush),
+        )  # fmt: skip
     bp, sol = completed
     choice = sol.choice
     ctx, eta = bp.ctx, float(cluster.overlap_efficiency)
@@ -349,6 +374,9 @@ def evaluate_pipeline(
     fwd, bwd = [0.0] * n, [0.0] * n  # per chunk (per device when not interleaved)
     fwd_flops = [0.0] * n  # per chunk, one microbatch's forward
     fwd_redo = [0.0] * n  # per chunk, what re-running one microbatch's forward costs
+    # per chunk, one microbatch's data-parallel gradient reductions: their seconds, and
+    # what of them (1 - eta each) is in fwd / bwd; the after-flush program takes them out
+    grad_s, grad_in_f, grad_in_b = [0.0] * n, [0.0] * n, [0.0] * n
     feeds_backward = _feeds_backward(micro) if any(r != "none" for r in pp.stage_remat) else set()
     upd = flops = 0.0
     n_layers = len(micro.layers)
@@ -358,7 +386,9 @@ def evaluate_pipeline(
     def top(op: Any) -> int:
         return op.scope[0][0] if op.scope else op.node.id
 
-    def charge(op: Any, secs: float, op_flops: float = 0.0, redo_s: float = 0.0) -> None:
+    def charge(
+        op: Any, secs: float, op_flops: float = 0.0, redo_s: float = 0.0, grad: float = 0.0
+    ) -> None:
         nonlocal upd
         nid = top(op)
         if nid in update or op.kind in ("input", "output"):
@@ -373,11 +403,18 @@ def evaluate_pipeline(
             lay = lay_b if backward else lay_f
             for k, x in by_layer.get(nid, {0: 1.0}).items():
                 lay[k] += per_micro * x
+        inside = grad_in_b if backward else grad_in_f
         for s in range(n):
             target[s] += per_micro * share[s]
+            if grad:
+                grad_s[s] += grad / m * share[s]
+                inside[s] += (1.0 - eta) * grad / m * share[s]
             if not backward:
                 fwd_flops[s] += op_flops / m * share[s]
                 fwd_redo[s] += redo_s / m * share[s]
+
+    def grads(colls: Sequence[Any]) -> float:
+        return sum(c.own_s for c in colls if c.cls == "dp_grad")
 
     for g, group in enumerate(bp.groups):
         strats = group.strategies[choice[g]]
@@ -389,7 +426,10 @@ def evaluate_pipeline(
             # Re-running a stage's forward repeats the work the backward reads from
             # (autopar.lower.stage_remat.recomputed_equations), collectives included.
             redo = price.linear_s(eta) if top(op) in feeds_backward else 0.0
-            charge(op, op.weight * price.linear_s(eta), op.weight * price.flops, op.weight * redo)
+            charge(
+                op, op.weight * price.linear_s(eta), op.weight * price.flops, op.weight * redo,
+                op.weight * grads(price.collectives),
+            )  # fmt: skip
     for e in bp.edges:
         op = bp.ops[e.op]
         st = bp.strategy(e.op, choice)
@@ -400,7 +440,7 @@ def evaluate_pipeline(
         t = op.node.in_tensors[e.operand]
         w = min(op.weight, bp.ops[e.ref.op].weight)
         colls = price_reshard(ctx, t, have, need, source=bp.leader(e.ref.op))
-        charge(op, w * reshard_linear_s(colls, eta))
+        charge(op, w * reshard_linear_s(colls, eta), grad=w * grads(colls))
     # A rematerialised stage runs its forward again in its backward, per microbatch.
     for s, policy in enumerate(pp.stage_remat):
         if policy == "full":
@@ -474,7 +514,25 @@ def evaluate_pipeline(
         else:
             exposed += t / p
     bounded = bound_linear_overlap(step, compute, hide, exposed, eta)
-    after_flush = bound_linear_overlap(step, compute, hide, exposed, eta, reduce_after_flush=m)
+    after_flush = bounded
+    if any(grad_s):
+        # The program that reduces the stages' data-parallel gradients once after the
+        # flush: its schedule runs the stage work without them, then each device reduces
+        # its chunks' accumulated gradients (one microbatch's bytes), exposed, the
+        # devices at once; only the parameter gathers hide behind its compute.
+        fwd_af = [f - g for f, g in zip(fwd, grad_in_f, strict=True)]
+        bwd_af = [b - g for b, g in zip(bwd, grad_in_b, strict=True)]
+        sim_af = cost_models.simulate_schedule(
+            pp.schedule, fwd_af, bwd_af, m, p2p=sim_p2p, chunks=v, per_chunk=True
+        )
+        flush = max(sum(grad_s[d::p]) for d in range(p))
+        after_flush = bound_linear_overlap(
+            sim_af.makespan + upd + ar_s + relayout_s + flush,
+            (sum(fwd_af) + sum(bwd_af)) / p * m,
+            {"fsdp_gather": hide["fsdp_gather"]},
+            exposed,
+            eta,
+        )
     if relayout_sends:
         # Each ppermute of the stack's relayout (chunks in, gradients back), as the
         # program sends them (autopar.lower.pipeline.stack_relayout).
@@ -532,6 +590,9 @@ def evaluate_pipeline(
             # flush (Megatron-LM, the DeepSpeed pipeline engine) rather than in every
             # microbatch as the lowered program does; overlap bounded as above
             "after_flush_step_s": after_flush,
+            # per chunk, one microbatch's data-parallel gradient reductions (seconds in
+            # full; the stage work above carries 1 - eta of each)
+            "chunk_dp_grad_s": tuple(grad_s),
             "dp_grad_per_device_s": hide["dp_grad"],
             "fsdp_gather_per_device_s": hide["fsdp_gather"],
             # the stages' other collectives per device (charged in full), and the stage

@@ -37,22 +37,8 @@ def test_gathers_take_the_budget_before_gradients():
     assert got == pytest.approx(13.6 + 16.0 - 8.16)
 
 
-def test_gradients_reduced_once_after_the_flush():
-    # work 12 = raw 10 + 0.4 x 5 s of reductions in each of m = 4 microbatches; after
-    # the flush one reduction of 5 / 4 s, hidden behind nothing: 10 + 1.25
-    after = bound_linear_overlap(12.0, 12.0, {"dp_grad": 5.0}, 0.0, ETA, reduce_after_flush=4)
-    assert after == pytest.approx(11.25)
-    # per microbatch, during the backward: 0.6 x 10 = 6 s of hiding covers the 5 s
-    assert bound_linear_overlap(12.0, 12.0, {"dp_grad": 5.0}, 0.0, ETA) == pytest.approx(10.0)
-    # one microbatch: the same reduction either way, exposed after the flush
-    one = bound_linear_overlap(12.0, 12.0, {"dp_grad": 5.0}, 0.0, ETA, reduce_after_flush=1)
-    assert one == pytest.approx(15.0)
-
-
 def test_bad_inputs_say_what_is_allowed():
     with pytest.raises(CostModelError, match="only 'dp_grad' and 'fsdp_gather'"):
         bound_linear_overlap(1.0, 1.0, {"tensor": 1.0}, 0.0, ETA)
     with pytest.raises(CostModelError, match=r"\[0, 1\]"):
         bound_linear_overlap(1.0, 1.0, {}, 0.0, 1.5)
-    with pytest.raises(CostModelError, match="reduce_after_flush"):
-        bound_linear_overlap(1.0, 1.0, {}, 0.0, ETA, reduce_after_flush=0)

@@ -118,6 +118,7 @@ class _Pricer:
         self.catalog = catalog
         self.ctx = catalog.ctx
         self.eta = float(self.ctx.cluster.overlap_efficiency)
+        self.grad_w = self.ctx.dp_grad_weight  # None: gradient reductions at 1 - eta
         self.penalty = float(penalty)
         self.param_shapes = param_shapes(coarse)
         self._grad: dict[int, bool] = {}
@@ -134,7 +135,7 @@ class _Pricer:
             tuple(groups),
             tuple(edges),
             tuple(refs),
-            _shared_costs(groups, self.eta),
+            _shared_costs(groups, self.eta, self.grad_w),
             self.param_shapes,
         )
 
@@ -155,7 +156,7 @@ class _Pricer:
         """One execution's objective seconds (linear step time plus the completion
         penalty, if any) and the combined reductions it joins."""
         p = price_strategy(self.ctx, op, st, gradient=self.gradient(op))
-        return p.linear_s(self.eta) + self._penalty(op, st), p.combined
+        return p.linear_s(self.eta, self.grad_w) + self._penalty(op, st), p.combined
 
     def _penalty(self, op: Op, st: OpStrategy) -> float:
         if not self.penalty or op.kind != "node" or op.phase not in _PROPAGATED:
@@ -185,7 +186,7 @@ class _Pricer:
         hit = self._reshard_cache.get(key)
         if hit is None:
             colls = price_reshard(self.ctx, t, have, need, source=source, into_state=into)
-            hit = self._reshard_cache[key] = reshard_linear_s(colls, self.eta)
+            hit = self._reshard_cache[key] = reshard_linear_s(colls, self.eta, self.grad_w)
         return hit
 
     # -- groups -------------------------------------------------------------------------
@@ -368,7 +369,9 @@ class _Pricer:
         return edges, refs
 
 
-def _shared_costs(groups: Sequence[Group], eta: float) -> tuple[SharedCost, ...]:
+def _shared_costs(
+    groups: Sequence[Group], eta: float, grad_w: float | None = None
+) -> tuple[SharedCost, ...]:
     """One shared cost per combined gradient reduction: its latency, weighted like the
     gradient reductions it merges, paid once if any member strategy is chosen."""
     members: dict[CombinedReduction, dict[int, list[int]]] = {}
@@ -382,7 +385,7 @@ def _shared_costs(groups: Sequence[Group], eta: float) -> tuple[SharedCost, ...]
         out.append(
             SharedCost(
                 f"combined {r.kind} over {','.join(r.axes)}{where}",
-                combined_linear_s(r, eta),
+                combined_linear_s(r, eta, grad_w),
                 tuple((gi, tuple(ss)) for gi, ss in sorted(by_group.items())),
             )
         )
