@@ -242,20 +242,27 @@ def published_runs(names: list[str] | None = None) -> list[PublishedRun]:
 
 
 def cluster_2021(gpus: int) -> Any:
-    """The 2021 software generation on Selene: the ``dgx-a100-80gb`` preset as it is
-    (NCCL 2.12 collectives, the default efficiency curve, ``overlap_efficiency``), with
-    ``owner_collectives``: DeepSpeed's 2021 ZeRO-3 gathers parameters by per-owner
-    broadcasts (cluster.py).
+    """The 2021 software generation on Selene: the ``dgx-a100-80gb`` preset (NCCL 2.12
+    collectives, the default efficiency curve) with 2021's ``overlap_efficiency``
+    (``cost_models.cluster.OVERLAP_EFFICIENCY_2021``, fitted by
+    :func:`fit_overlap_efficiency`) and ``owner_collectives``: DeepSpeed's 2021 ZeRO-3
+    gathers parameters by per-owner broadcasts (cluster.py).
 
     Example:
         >>> c = cluster_2021(16)
-        >>> c.num_nodes, c.owner_collectives
-        (2, True)
+        >>> c.num_nodes, c.owner_collectives, c.overlap_efficiency
+        (2, True, 0.27)
     """
     from cost_models import Cluster
+    from cost_models.cluster import OVERLAP_EFFICIENCY_2021
 
     base = Cluster.preset("dgx-a100-80gb", nodes=gpus // GPUS_PER_NODE)
-    return replace(base, name="selene-2021", owner_collectives=True)
+    return replace(
+        base,
+        name="selene-2021",
+        owner_collectives=True,
+        overlap_efficiency=OVERLAP_EFFICIENCY_2021,
+    )
 
 
 def jean_zay(gpus: int) -> Any:
@@ -385,7 +392,7 @@ def fit_overlap_efficiency(
     step whose parameter gathers and gradient reduce-scatters run beside the layers).
 
     Golden-section search over ``[lo, hi]``, ``steps`` narrowings;
-    ``cost_models.cluster.DEFAULT_OVERLAP_EFFICIENCY`` is this, rounded to two digits.
+    ``cost_models.cluster.OVERLAP_EFFICIENCY_2021`` is this, rounded to two digits.
     Slow: six 175B / 530B evaluations per step.
 
     Example:

@@ -12,15 +12,16 @@ published measurements (Tables 1 and 2, ../shared/reference), not part of the pl
 ONE set of constants serves every row; nothing is tuned per row:
 
 * the ``dgx-a100-80gb`` cluster preset as it is (NVLink 230 GB/s and InfiniBand 25 GB/s
-  per GPU bus bandwidth, NCCL per-step latencies, ``overlap_efficiency`` 0.27), wrapped by
+  per GPU bus bandwidth, NCCL per-step latencies), wrapped by
   :func:`selene`;
 * the default matmul efficiency curve (``half_dim`` 64, HBM fraction 0.88) with its
   ``peak_fraction`` set to 0.69: fitted once, by least squares on log throughput over all
   ten Table 1 rows (:func:`fit_peak_fraction`). It stands for what Megatron-LM's 2021
   kernels (PyTorch + cuBLAS on A100) reached on large GEMMs, 84% of the default curve's
-  H200-measured 0.82. ``overlap_efficiency`` (cluster.py) is the only other fitted number,
-  fitted by the planner's evaluation on Table 2's six ZeRO-3 rows (PTD-P rows do not
-  overlap communication) and used here as it is;
+  H200-measured 0.82. The 2021 ``overlap_efficiency`` (``OVERLAP_EFFICIENCY_2021``,
+  cluster.py, 0.27) is the only other fitted number, fitted by the planner's evaluation
+  on Table 2's six ZeRO-3 rows (PTD-P rows do not overlap communication) and used here as
+  it is;
 * the workload constants of :class:`Assumptions`: the fused-kernel traffic of a Megatron
   layer (listed in ``_layer_times``), fp16 activations and gradients, full activation
   recomputation, scatter/gather pipeline sends, gradients all-reduced after the pipeline
@@ -54,7 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cost_models.cluster import Cluster
+from cost_models.cluster import OVERLAP_EFFICIENCY_2021, Cluster
 from cost_models.collectives import collective_time
 from cost_models.compute import compute_time
 from cost_models.efficiency import Efficiency
@@ -207,7 +208,8 @@ def selene(gpus: int, efficiency: Efficiency = MEGATRON_2021_EFFICIENCY) -> Clus
     The ``dgx-a100-80gb`` preset as it is, except that the A100's matmul efficiency is
     :data:`MEGATRON_2021_EFFICIENCY` (what Megatron-LM's 2021 kernels reached) and that
     all-gathers / reduce-scatters across nodes are ZeRO's per-owner collectives
-    (``owner_collectives``, DeepSpeed's 2021 ZeRO-3). Use this cluster to score Megatron
+    (``owner_collectives``, DeepSpeed's 2021 ZeRO-3) and the overlap efficiency is 2021's
+    (``OVERLAP_EFFICIENCY_2021``). Use this cluster to score Megatron
     configurations with the rest of the cost model too.
 
     Example:
@@ -218,7 +220,13 @@ def selene(gpus: int, efficiency: Efficiency = MEGATRON_2021_EFFICIENCY) -> Clus
         raise CostModelError(f"Selene nodes hold 8 GPUs; {gpus} GPUs do not fill nodes")
     base = Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
     device = replace(base.device, efficiency=efficiency)
-    return replace(base, name="selene", device=device, owner_collectives=True)
+    return replace(
+        base,
+        name="selene",
+        device=device,
+        owner_collectives=True,
+        overlap_efficiency=OVERLAP_EFFICIENCY_2021,
+    )
 
 
 @dataclass(frozen=True)

@@ -126,3 +126,12 @@ def test_published_rows_within_their_targets(run):
     assert abs(r["err"]) <= bp.TOLERANCE[run.group], (
         f"{run.name}: predicted {r['predicted']:.1f} vs published {run.published_tflops:g}"
     )
+
+
+@pytest.mark.slow
+def test_the_2021_overlap_constant_is_the_fit():
+    """``OVERLAP_EFFICIENCY_2021`` is what the planner's evaluation fits on Table 2's six
+    ZeRO-3 rows (least squares of the log error), to two digits."""
+    from cost_models.cluster import OVERLAP_EFFICIENCY_2021
+
+    assert round(bp.fit_overlap_efficiency(), 2) == OVERLAP_EFFICIENCY_2021

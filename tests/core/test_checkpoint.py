@@ -2,7 +2,7 @@
 under the same plan, another plan on fewer devices (the elastic case), a lowered step or
 explicit shardings; a save killed midway leaves the previous step readable.
 
-The step is an MLP (256 -> 1024 -> 256, batch 512) whose searched 8-device plan splits the
+The step is an MLP (256 -> 1024 -> 256, batch 64) whose searched 8-device plan splits the
 weights over ``tensor``; expected values are the saved arrays themselves (bitwise) and, for
 the continued run, the 8-device run's losses (``LOSS_RTOL``).
 """
@@ -60,7 +60,7 @@ def _assert_laid_out(tree, target) -> None:
 def run():
     """The 8-device decorated step after one step: (step, batch, train_step, plan, state1)."""
     step, (state, batch) = mlp.make_train_step(
-        mlp.MLPConfig(d_in=256, hidden=1024, d_out=256, layers=2), 512, abstract=False
+        mlp.MLPConfig(d_in=256, hidden=1024, d_out=256, layers=2), 64, abstract=False
     )
     train_step = autopar.autoparallel(step, cluster="cpu-sim", cache=False)
     plan = train_step.plan_for(state, batch)

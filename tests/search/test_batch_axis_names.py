@@ -17,7 +17,7 @@ from benchmarks.models import gpt
 
 @functools.cache
 def _plan() -> Plan:
-    cfg = gpt.GPTConfig(vocab_size=256, seq_len=128, hidden=256, layers=2, heads=4)
+    cfg = gpt.GPTConfig(vocab_size=1024, seq_len=128, hidden=256, layers=2, heads=4)
     step, args = gpt.make_train_step(cfg, 64)
     options = SearchOptions(microbatches=2, mesh={"data": 2, "tensor": 4})
     return autopar.plan(step, *args, cluster="dgx-a100-80gb", options=options)

@@ -100,38 +100,32 @@ def _per_layer_comm(hidden, seq, batch):
 
 
 def test_megatron_block_on_data_x_tensor():
-    """A GPT-3 6.7B-sized block (hidden 4096, 32 heads, sequence 2048, four sequences):
-    Megatron's layout, its tensor parallelism on the axis the hand prices pick.
+    """A GPT-3 6.7B-sized block (hidden 4096, 32 heads, sequence 2048, two sequences per
+    data replica): Megatron's layout.
 
     Hand prices per layer (``_per_layer_comm``, bf16, A100 NVLink 230 GB/s, IB 25 GB/s per
-    GPU, overlap efficiency 0.27): Megatron inside a node moves [2, 2048, 4096] = 32 MiB
-    activations 4 times (2 all-reduces forward, 2 backward; Megatron-SP: 4 all-gathers +
-    4 reduce-scatters, the same bytes) over the 4 NVLink GPUs: 4 x 0.24 ms = 0.96 ms on
-    the critical path, and all-reduces the gradients of its quarter of the 12 h^2 weights
-    (100 MiB) over InfiniBand: 4.0 ms, of which ~0.95 ms (0.27 x the 3.5 ms backward)
-    hides: 4.0 ms exposed. Data parallelism over all 8 GPUs is impossible (4 sequences).
-    Swapped, the batch on the NVLink axis and Megatron's splits over the two nodes: 16
-    MiB all-reduced 4 times over IB, 2.8 ms, and the gradients of half the weights (201
-    MB) over NVLink, 1.3 ms of which 0.95 hides: 3.2 ms. So Megatron's splits go over
-    ``data`` (the nodes) and the batch over ``tensor`` (at an overlap efficiency of 0.6,
-    hiding 2.1 ms of the gradients, Megatron inside the node priced lower).
+    GPU): Megatron moves [2, 2048, 4096] = 32 MiB activations 4 times (2 all-reduces
+    forward, 2 backward; Megatron-SP: 4 all-gathers + 4 reduce-scatters, the same bytes)
+    over the 4 NVLink GPUs: 4 x 0.24 ms = 0.96 ms on the critical path, and all-reduces
+    the gradients of its quarter of the 12 h^2 weights (100 MiB) over InfiniBand: 4.0 ms,
+    of which ~2.1 ms (0.6 x the 3.5 ms backward) hides. Data parallelism over all 8 GPUs
+    is impossible (4 sequences); putting the batch on the NVLink axis and splitting the
+    weights over InfiniBand moves 16 MiB 4 times over IB: 2.8 ms exposed. So: Megatron
+    for the MLP (8 h^2).
 
-    The weights (12 h^2) may in addition be sharded over the other axis (ZeRO-3): NCCL
-    runs a gather over both nodes on all 4 NICs of each (bus min(230, 4 x 25) = 100
-    GB/s), 7/8 x 134 MB / 100 GB/s = 1.2 ms for the attention's 4 h^2; the planner may
-    take it, and its plan must price no worse than the hand-written Megatron layouts.
+    The attention's weights (4 h^2 = 128 MiB) may in addition be sharded over data
+    (ZeRO-3 over all 8 GPUs): NCCL runs a gather over both nodes on all 4 NICs of each
+    (bus min(230, 4 x 25) = 100 GB/s), 7/8 x 134 MB / 100 GB/s = 1.2 ms, the same order as
+    the one-NIC gradient all-reduce over data it replaces; the planner may take either,
+    and its plan must price no worse than the hand-written Megatron layouts.
     """
     tp, tp_grads, _, budget = _per_layer_comm(4096, 2048, 4)
     assert tp == pytest.approx(0.96e-3, rel=0.05)
     assert tp_grads == pytest.approx(4.05e-3, rel=0.05) and budget == pytest.approx(
-        0.95e-3, rel=0.05
+        2.1e-3, rel=0.05
     )
     swapped = 4 * collective_time("all-reduce", 2048 * 4096 * 2, TWO_NODES, MESH, ["data"])
-    half = collective_time("all-reduce", 12 * 4096**2 * 2 / 2, TWO_NODES, MESH, ["tensor"])
-    assert swapped == pytest.approx(2.8e-3, rel=0.05) and half == pytest.approx(1.3e-3, rel=0.05)
-    megatron_exposed = tp + max(tp_grads - budget, 0.0)
-    swapped_exposed = swapped + max(half - budget, 0.0)
-    assert swapped_exposed < megatron_exposed - 0.5e-3  # decisively
+    assert swapped > 2 * tp
     attn = 4 * 4096 * 4096 * 2
     gather = collective_time("all-gather", attn, TWO_NODES, MESH, ["data", "tensor"])
     assert gather == pytest.approx(7 / 8 * attn / 100e9, rel=0.05)
@@ -141,17 +135,19 @@ def test_megatron_block_on_data_x_tensor():
     )
     g = _traced(cfg, 4)
     plan = plan_graph(g, TWO_NODES, SearchOptions(mesh=MESH))
-    assert _axes(plan.input("batch/tokens").spec[0]) == ("tensor",)  # batch over NVLink
-    for name in BLOCK:  # every weight split over data (the nodes) on exactly one dim
-        assert len(_kernel_dims(plan, name, "data")) == 1, name
-    # The MLP as Megatron over data: fc_in column-split, fc_out row-split.
-    assert _kernel_dims(plan, "mlp/fc_in", "data") == [1]
-    assert _kernel_dims(plan, "mlp/fc_out", "data") == [0]
+    assert _axes(plan.input("batch/tokens").spec[0]) == ("data",)  # batch over data
+    for name in BLOCK:  # every weight split over tensor on exactly one dim
+        assert len(_kernel_dims(plan, name, "tensor")) == 1, name
+    # The MLP as Megatron: fc_in column-split, fc_out row-split, not over data.
+    assert _kernel_dims(plan, "mlp/fc_in", "tensor") == [1]
+    assert _kernel_dims(plan, "mlp/fc_out", "tensor") == [0]
+    for name in ("mlp/fc_in", "mlp/fc_out"):
+        assert not _kernel_dims(plan, name, "data"), name
     ops = _ops(plan)
-    assert ops["GPT/h_0/mlp/fc_in"] == "batch(tensor)+column(data)"
-    assert ops["GPT/h_0/mlp/fc_out"].startswith("row(data)+batch(tensor)")
+    assert ops["GPT/h_0/mlp/fc_in"] == "batch(data)+column(tensor)"
+    assert ops["GPT/h_0/mlp/fc_out"].startswith("row(tensor)+batch(data)")
     for einsum in ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"):  # attention split by heads
-        assert ops[f"GPT/h_0/attn/{einsum}"] == "batch(tensor)+heads(data)"
+        assert ops[f"GPT/h_0/attn/{einsum}"] == "batch(data)+heads(tensor)"
     # The hand-written Megatron and Megatron-SP plans, scored by the same model, are no
     # better than what the planner found.
     for sp in (False, True):
@@ -169,8 +165,8 @@ def test_gpt2_small_block_is_data_parallel():
     (plus its gradient all-reduce over data); data parallelism over all 8 GPUs all-reduces
     the layer's 12 x 768^2 bf16 gradients (14 MiB, one combined collective) as an LL128
     ring over both nodes' 4 NICs (bus 0.92 x min(230, 4 x 25) GB/s): 2 x 7/8 x 14.2 MB /
-    92 GB/s + (14 + 12 x 1.9 + 2 x 4) us = 0.31 ms, of which 0.27 x the backward compute
-    (~0.04 ms) hides behind it, with no redundant LayerNorm/residual work.
+    92 GB/s + (14 + 12 x 1.9 + 2 x 4) us = 0.31 ms, of which 0.6 x the backward compute
+    (~0.08 ms) hides behind it, with no redundant LayerNorm/residual work.
     """
     tp, tp_grads, dp_grads, budget = _per_layer_comm(768, 1024, 8)
     assert tp == pytest.approx(4 * (2 * 3 / 4 * 6291456 / 230e9 + 28.8e-6), rel=0.01)
