@@ -401,6 +401,8 @@ def fit_overlap_efficiency(
     """
     import math
 
+    from cost_models.fit import golden_section
+
     runs = published_runs(names or [r.name for r in published_runs() if r.zero_stage == 3])
 
     def loss(eta: float) -> float:
@@ -410,20 +412,7 @@ def fit_overlap_efficiency(
             raise RuntimeError(f"rows {bad} failed: {[r['error'] for r in rows if 'error' in r]}")
         return sum(math.log1p(r["err"]) ** 2 for r in rows)
 
-    g = (math.sqrt(5) - 1) / 2
-    a, b = lo, hi
-    c, d = b - g * (b - a), a + g * (b - a)
-    fc, fd = loss(c), loss(d)
-    for _ in range(steps):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - g * (b - a)
-            fc = loss(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + g * (b - a)
-            fd = loss(d)
-    return (a + b) / 2
+    return golden_section(loss, lo, hi, steps)
 
 
 def _config_text(run: PublishedRun) -> str:

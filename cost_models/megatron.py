@@ -60,6 +60,7 @@ from cost_models.collectives import collective_time
 from cost_models.compute import compute_time
 from cost_models.efficiency import Efficiency
 from cost_models.errors import CostModelError, check_choice, check_int
+from cost_models.fit import golden_section
 from cost_models.memory import gpt_num_params, megatron_flops_per_iteration
 from cost_models.overlap import compose_step_time
 from cost_models.pipeline import simulate_schedule
@@ -577,20 +578,7 @@ def fit_peak_fraction(
         rows = rows_fn(Efficiency(peak_fraction=pf))
         return sum(math.log(r.estimate.tflops_per_gpu / r.published) ** 2 for r in rows)
 
-    g = (math.sqrt(5) - 1) / 2
-    a, b = lo, hi
-    c, d = b - g * (b - a), a + g * (b - a)
-    fc, fd = loss(c), loss(d)
-    for _ in range(30):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - g * (b - a)
-            fc = loss(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + g * (b - a)
-            fd = loss(d)
-    return (a + b) / 2
+    return golden_section(loss, lo, hi)
 
 
 def _print_tables() -> None:  # pragma: no cover - CLI output
