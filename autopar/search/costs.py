@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.errors import InvalidOptionError
 from autopar.search.sharding import (
     Collective,
     MeshShape,
@@ -69,6 +70,11 @@ class CostContext:
 
         self._cm = cost_models
         self.cluster = cluster
+        if dp_grad_weight is not None and not 0.0 <= float(dp_grad_weight) <= 1.0:
+            raise InvalidOptionError(
+                f"dp_grad_weight must be in [0, 1] (a gradient reduction's share of its "
+                f"seconds in the step); got {dp_grad_weight!r}"
+            )
         self.dp_grad_weight = None if dp_grad_weight is None else float(dp_grad_weight)
         self.mesh = MeshShape.from_mapping(mesh, padded)
         self.mesh_dict = self.mesh.as_dict()

@@ -108,3 +108,18 @@ def test_class_weights_follow_the_cost_model_classes():
         assert class_weight(cls, 0.25) == 0.75
     for cls in ("tensor", "seq", "expert", "reshard"):
         assert class_weight(cls, 0.25) == 1.0
+
+
+def test_a_completion_for_reductions_after_the_flush_weighs_only_gradient_reductions():
+    # m = 4 microbatches reduced once after the flush: each microbatch's reduction counts
+    # 1/4 of its seconds; parameter gathers keep 1 - eta, the rest 1.
+    assert class_weight("dp_grad", 0.25, dp_grad_weight=0.25) == 0.25
+    assert class_weight("fsdp_gather", 0.25, dp_grad_weight=0.25) == 0.75
+    assert class_weight("tensor", 0.25, dp_grad_weight=0.25) == 1.0
+    from autopar.errors import InvalidOptionError
+    from autopar.search.costs import CostContext
+
+    cluster = Cluster.preset("dgx-a100-80gb")
+    assert CostContext(cluster, {"data": 8}, dp_grad_weight=0.25).dp_grad_weight == 0.25
+    with pytest.raises(InvalidOptionError, match=r"dp_grad_weight must be in \[0, 1\]"):
+        CostContext(cluster, {"data": 8}, dp_grad_weight=-1.0)
