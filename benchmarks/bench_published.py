@@ -401,6 +401,7 @@ def fit_overlap_efficiency(
     """
     import math
 
+    from autopar.errors import AutoparError
     from cost_models.fit import golden_section
 
     runs = published_runs(names or [r.name for r in published_runs() if r.zero_stage == 3])
@@ -409,7 +410,10 @@ def fit_overlap_efficiency(
         rows = [evaluate_run(r, overlap_efficiency=eta) for r in runs]
         bad = [r["row"] for r in rows if "error" in r]
         if bad:
-            raise RuntimeError(f"rows {bad} failed: {[r['error'] for r in rows if 'error' in r]}")
+            raise AutoparError(
+                f"fit_overlap_efficiency: rows {bad} could not be evaluated at "
+                f"overlap_efficiency={eta!r}: {[r['error'] for r in rows if 'error' in r]}"
+            )
         return sum(math.log1p(r["err"]) ** 2 for r in rows)
 
     return golden_section(loss, lo, hi, steps)

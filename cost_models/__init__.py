@@ -13,6 +13,7 @@ Example:
 
 from cost_models.cluster import (
     DEFAULT_OVERLAP_EFFICIENCY,
+    OVERLAP_EFFICIENCY_2021,
     PRESETS,
     Cluster,
     GroupLayout,
@@ -82,6 +83,7 @@ __all__ = [
     "COST_MODEL_VERSION",
     "DEFAULT_EFFICIENCY",
     "DEFAULT_OVERLAP_EFFICIENCY",
+    "OVERLAP_EFFICIENCY_2021",
     "DEVICES",
     "OP_KINDS",
     "PRESETS",

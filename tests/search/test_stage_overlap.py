@@ -81,5 +81,5 @@ def test_after_the_flush_the_schedule_runs_without_the_reductions_then_one_is_pa
     )
     expected = sim.makespan + ev.extra["update_s"] + pipe_psum + max(g)
     assert ev.extra["after_flush_step_s"] == pytest.approx(expected)
-    # Two microbatches' reductions at 1 - eta each cost more than one in full (eta < 0.5).
-    assert ev.extra["after_flush_step_s"] < ev.step_time_s
+    # The reductions are positive backward work: taken out, the schedule is shorter.
+    assert sim.makespan < ev.extra["makespan_s"]
