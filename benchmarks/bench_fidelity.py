@@ -2,7 +2,8 @@
 
 For every zoo model (tiny, float32; the MLP "small", as tiny is replicated) and mesh shape of the lowering issue's acceptance,
 the step is planned by the search for a DGX A100 node with the mesh fixed (nothing
-hand-made), lowered for 8 simulated CPU devices with the state donated (what the memory
+hand-made; memory by the rules of the compiler that builds the program here, XLA:CPU:
+``Cluster.compiled_on``), lowered for 8 simulated CPU devices with the state donated (what the memory
 model assumes), run for a few steps against single-device ``jax.jit``, and checked by
 :func:`autopar.verify.verify`: every predicted collective kind emitted, bytes per kind
 within 10%, nothing unplanned above 1% of the step's collective bytes, peak memory within
@@ -79,15 +80,19 @@ def run_case(model: str, shape: tuple[int, ...], full: bool = False) -> dict[str
     import autopar
     from autopar.lower import lower_plan
     from autopar.options import LoweringOptions
+    from cost_models import Cluster
 
     step, (state, batch) = zoo_step(model)
+    # Priced as a DGX A100 node, with the memory rules of the compiler that builds the
+    # program checked here (XLA:CPU copies convolution operands: Cluster.compiled_on).
+    cluster = Cluster.preset("dgx-a100-80gb").compiled_on(jax.default_backend())
     row: dict[str, Any] = {"case": f"{model}:{'x'.join(map(str, shape))}"}
     t0 = time.perf_counter()
     graph = autopar.trace(step, state, batch)
     try:
         plan = autopar.plan(
             graph,
-            cluster="dgx-a100-80gb",
+            cluster=cluster,
             options=autopar.SearchOptions(mesh=mesh_for(model, shape)),
         )
     except autopar.AutoparError as e:

@@ -111,6 +111,15 @@ class DeviceSpec:
         efficiency: achievable fractions of peak (matmul curve, HBM); calibration replaces it.
         jax_device_kinds: lowercase substrings of ``jax.Device.device_kind`` that identify
             this device (``Cluster.local`` uses them).
+        conv_layout_copies: its compiler copies the operands of a convolution that is not
+            in ``NHWC/HWIO/NHWC`` form into that form (XLA:CPU's
+            ``xla/service/cpu/conv_canonicalization.cc``: the backward convolutions of a
+            train step), so the memory model counts those copies
+            (:func:`autopar.search.build.memory.layout_copies`). ``False`` for GPUs and
+            TPUs: XLA:GPU hands backward convolutions to cuDNN as they are where its layout
+            assignment keeps NHWC (Hopper and later; 16-bit types from Volta on), XLA:TPU
+            assigns layouts itself. Float32 convolutions on GPUs before Hopper run NCHW,
+            where XLA:GPU copies too: not modelled (not measured, no GPU here).
 
     Example:
         >>> DeviceSpec("toy", "gpu", {"bfloat16": 1e12}, 2**30, 1e11, "made up").flops_for("bf16")
@@ -126,6 +135,7 @@ class DeviceSpec:
     vector_flops: float = 0.0
     efficiency: Efficiency = DEFAULT_EFFICIENCY
     jax_device_kinds: tuple[str, ...] = ()
+    conv_layout_copies: bool = False
 
     def __post_init__(self) -> None:
         check_choice("DeviceSpec.kind", self.kind, DEVICE_KINDS)
@@ -328,6 +338,7 @@ _CATALOG: tuple[DeviceSpec, ...] = (
         source="fictitious: a100-80gb speeds / 100 (same compute:memory:link balance), "
         "2 GiB memory so limits bind for toy models; not a real machine",
         jax_device_kinds=("cpu",),
+        conv_layout_copies=True,  # XLA:CPU, measured: tests/search/test_memory_conv.py
     ),
 )
 

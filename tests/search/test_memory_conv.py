@@ -13,8 +13,9 @@ reads it), ``h = relu(a)`` (``w2``'s kernel gradient reads it), the forward's ``
 
 XLA:CPU (jaxlib 0.10.2, measured with ``--xla_dump_to``: buffer assignment and live ranges)
 holds three more buffers that XLA:GPU does not make where it keeps NHWC (Hopper and later,
-16-bit types from Volta on), which the model leaves out on purpose (see the module
-docstring of :mod:`autopar.search.build.memory`):
+16-bit types from Volta on), so the model counts the layout copies only on a device whose
+compiler makes them (``Cluster.compiled_on("cpu")``; see the module docstring of
+:mod:`autopar.search.build.memory`):
 
 * ``x`` transposed (``N H W C`` floats) and ``dy`` transposed (``N H W K``), beside the
   originals: the kernel-gradient convolutions have the batch as their contracted dimension,
@@ -27,6 +28,8 @@ docstring of :mod:`autopar.search.build.memory`):
   ``RunPostSchedulingCopyInsertion`` (``xla/service/gpu/gpu_compiler.cc``), which removes
   copies the final schedule makes unnecessary (here the update is ``w2``'s last reader).
   (The reversed ``w2`` the input gradient needs reuses ``w2``'s vacated parameter buffer.)
+  The model does not count this copy; under the CPU rule it counts the reversed ``w2``
+  instead, the same bytes.
 
 plus 24 bytes: the output tuple's table of three 8-byte pointers.
 """
@@ -41,11 +44,13 @@ import jax.numpy as jnp
 import pytest
 
 from autopar.lower import CPU_MEMORY_COMPILER_OPTIONS
+from autopar.search.build.memory import canonical_conv_specs
 from autopar.search.costs import CostContext
 from autopar.search.ilp import build
 from autopar.trace import trace
 from autopar.verify import compiled_peak_bytes
 from cost_models import Cluster
+from cost_models.errors import CostModelError
 
 N, H, W, C, K = 8, 16, 16, 8, 16
 F32 = 4  # bytes
@@ -59,6 +64,11 @@ LOSS = F32
 # By hand, from the shapes: the model's peak, and what XLA:CPU adds.
 MODEL_PEAK = W1 + W2 + X + 4 * ACT + LOSS  # 603,652
 CPU_ONLY = X + ACT + W2 + 3 * 8  # x^T, dy^T, the copy of w2, the output tuple: 205,848
+# The model under XLA:CPU's rule (``DeviceSpec.conv_layout_copies``), at the same moment:
+# x^T (w1's kernel gradient, from the start), w2 reversed and transposed (w2's input
+# gradient, from the start), dy^T (w2's kernel gradient, made with dy).
+CPU_LAYOUT_COPIES = X + W2 + ACT  # 205,824
+OUTPUT_TUPLE = 3 * 8  # not modelled: the output tuple's table of pointers
 
 
 def _conv(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -85,9 +95,10 @@ def _args() -> tuple[dict, jax.Array]:
 
 
 @functools.cache
-def _model_peak() -> tuple[float, str, dict[str, float]]:
+def _model_peak(platform: str = "gpu") -> tuple[float, str, dict[str, float]]:
     graph = trace(_step, *_args())
-    bp = build(graph, CostContext(Cluster.preset("dgx-a100-80gb"), {"data": 1}))
+    cluster = Cluster.preset("dgx-a100-80gb").compiled_on(platform)
+    bp = build(graph, CostContext(cluster, {"data": 1}))
     peak, moment, breakdown = bp.peak([0] * len(bp.groups))
     return peak, graph.nodes[moment].primitive, breakdown
 
@@ -134,3 +145,43 @@ def test_xla_cpu_adds_its_conv_layout_copies_and_the_kernel_copy():
     # ... and the layout transpose of x (the operand of w1's kernel gradient), made from
     # the argument alone.
     assert re.search(r"%transpose\S* = f32\[[\d,]+\]\{[\d,]*\} fusion\(%x[\w.]*\)", hlo)
+
+
+def test_under_the_cpu_rule_the_model_counts_the_layout_copies_by_hand():
+    peak, primitive, breakdown = _model_peak("cpu")
+    assert peak == MODEL_PEAK + CPU_LAYOUT_COPIES
+    assert primitive == "mul"  # the same moment: dy and its copy are made together
+    assert breakdown["layout_copies"] == CPU_LAYOUT_COPIES
+    assert breakdown["activations"] == 4 * ACT + LOSS
+    # The GPU preset itself keeps NHWC: no layout copies.
+    assert "layout_copies" not in _model_peak("gpu")[2]
+    assert not Cluster.preset("dgx-a100-80gb").device.conv_layout_copies
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own buffers")
+def test_under_the_cpu_rule_the_model_is_xla_cpus_peak_but_the_output_tuple():
+    """XLA:CPU's copy of the donated w2 takes the bytes the model gives w2's reversed
+    copy (which reuses w2's vacated buffer there): the totals agree."""
+    params, x = _args()
+    compiled = (
+        jax.jit(_step, donate_argnums=(0,))
+        .lower(params, x)
+        .compile(compiler_options=dict(CPU_MEMORY_COMPILER_OPTIONS))
+    )
+    total = compiled_peak_bytes(compiled.memory_analysis())
+    assert total - _model_peak("cpu")[0] == OUTPUT_TUPLE
+
+
+def test_canonical_conv_specs_name_nhwc_and_hwio_in_dimension_number_order():
+    # 1-D and 3-D convolutions: NWC/WIO and NDHWC/DHWIO, derived from the layout names.
+    def spec(layout: str, first: str, second: str) -> tuple[int, ...]:
+        spatial = [i for i, c in enumerate(layout) if c not in (first, second)]
+        return (layout.index(first), layout.index(second), *spatial)
+
+    for lhs, rhs in (("NWC", "WIO"), ("NHWC", "HWIO"), ("NDHWC", "DHWIO")):
+        assert canonical_conv_specs(len(lhs)) == (spec(lhs, "N", "C"), spec(rhs, "O", "I"))
+
+
+def test_compiled_on_refuses_an_unknown_platform():
+    with pytest.raises(CostModelError, match="platform"):
+        Cluster.preset("dgx-a100-80gb").compiled_on("cuda")

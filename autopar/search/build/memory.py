@@ -26,40 +26,37 @@ scanned ZeRO-1/ZeRO-3/Megatron GPT and MoE, the replicated Wide-ResNet of
 bench_fidelity; in the ZeRO-3 GPT dump the live-range file's "peak usage" line, 1.22 MB,
 is 0.3 MB below the bytes live at its combined gradient all-reduce).
 
-Not modelled, on purpose: buffers only XLA:CPU makes. They are why the replicated
-Wide-ResNet of bench_fidelity (tiny, batch 64) predicts 12.75 MiB against
-``memory_analysis``'s 14.83 MiB (-14%). Its ``--xla_dump_to`` live ranges (jaxlib
-0.10.2, one device) hold 14.44 MiB at XLA's peak (the backward of ``block_3/conv2``),
-2.02 MiB of it in copies of three kinds, the rest (12.42 MiB) within 3% of the model:
+Convolution layout copies depend on the compiler (``DeviceSpec.conv_layout_copies``):
+XLA:CPU copies the operands of the backward convolutions into ``NHWC/HWIO/NHWC`` form
+(:func:`layout_copies`: the images and each kernel from the start of the step, an output
+gradient from when it is made, each to its convolution; a forward activation's copy
+replaces it). XLA:GPU hands those convolutions to cuDNN as they are where its layout
+assignment keeps NHWC (``GpuConvRewriter``, ``HeuristicLayoutAssignment``: Hopper and
+later, 16-bit types from Volta on), so a GPU plan has none. Float32 convolutions before
+Hopper run NCHW, and there XLA:GPU copies much as XLA:CPU does: not modelled (not
+measured, no GPU here). A plan priced for GPUs and checked on simulated CPU devices takes
+the CPU rule with ``Cluster.compiled_on("cpu")`` (bench_fidelity does).
 
-* the images transposed, 0.75 MiB, from the start of the step to the stem convolution's
-  kernel gradient, and each convolution kernel transposed (and reversed, for 3x3) for
-  its input gradient, 0.35 MiB, made at the start of the step (they read parameters
-  only) and held to their backward use: ``xla/service/cpu/conv_canonicalization.cc``
-  copies the operands of a convolution that is not in ``NHWC/HWIO/NHWC`` form (a kernel
-  gradient contracts the batch; an input gradient reads the kernel reversed, its feature
-  dimensions swapped). XLA:GPU hands both to cuDNN as backward-filter / backward-input
-  convolutions (``GpuConvRewriter``), which take the operands as they are when its
-  layout assignment keeps NHWC (``HeuristicLayoutAssignment``: Hopper and later, and
-  16-bit types from Volta on, e.g. the zoo's default ``"mixed"`` precision on an A100).
-  Float32 convolutions before Hopper run NCHW, and there XLA:GPU copies the images and
-  kernels into that layout much as XLA:CPU does: not modelled either (not measured, no
-  GPU here). Activations
-  are copied the same way: a copy made in the forward pass from a fused value (a
-  BatchNorm-ReLU output) replaces it, so the model's count holds there; an argument (the
-  images) stays beside its copy, and so does an output gradient while its kernel
-  gradient is computed (the test's ``dy``).
-* a copy of each donated kernel that its input gradient reads, 0.92 MiB: that read is not
-  ordered by data dependence before the kernel's in-place update, so copy insertion keeps
-  a copy. XLA:CPU runs copy insertion before scheduling only; XLA:GPU runs it again on
-  the schedule (``RunPostSchedulingCopyInsertion`` in ``xla/service/gpu/gpu_compiler.cc``:
-  "the sequential ordering from the HLO schedule potentially allows for more copies to be
-  eliminated"), where the update is the kernel's last reader. On CPU the vacated
-  parameter buffer is reused (for the reversed kernel, a gradient), so a copy costs
-  memory only when nothing of its size fills that buffer: in the MLP zoo step the 4 MiB
-  copy of ``layer_1/w`` costs nothing (its gradient takes the parameter's buffer).
+Measured (``--xla_dump_to`` live ranges, jaxlib 0.10.2, one device) on the replicated
+Wide-ResNet of bench_fidelity (tiny, batch 64, ``memory_analysis`` 14.83 MiB): XLA's peak
+(the backward of ``block_3/conv2``, where the model's is too) holds 2.02 MiB of copies,
+the images transposed (0.75 MiB), the kernels transposed and reversed for their input
+gradients (0.35 MiB) and copies of donated kernels (0.92 MiB, below); the model counts
+1.66 MiB of layout copies there (the images, and every kernel whose input gradient is still
+to run) and predicts 14.40 MiB (-2.8%; 12.75 MiB, -14%, without them).
 
-``tests/search/test_memory_conv.py`` counts both by hand on a two-convolution step.
+Not modelled, on purpose: a copy of a donated kernel that its input gradient reads. That
+read is not ordered by data dependence before the kernel's in-place update, so copy
+insertion keeps a copy. XLA:CPU runs copy insertion before scheduling only; XLA:GPU runs
+it again on the schedule (``RunPostSchedulingCopyInsertion`` in
+``xla/service/gpu/gpu_compiler.cc``: "the sequential ordering from the HLO schedule
+potentially allows for more copies to be eliminated"), where the update is the kernel's
+last reader. On CPU the vacated parameter buffer is reused (for the reversed kernel, a
+gradient), so a copy costs memory only when nothing of its size fills that buffer: in the
+MLP zoo step the 4 MiB copy of ``layer_1/w`` costs nothing (its gradient takes the
+parameter's buffer); in the two-convolution step of ``tests/search/test_memory_conv.py``
+the reversed kernel the model counts takes it, and the model's peak is XLA's to the byte
+but for the output tuple's 24 bytes.
 
 This is the planner's one memory model: ``plan.predicted.memory_bytes_per_device``, the
 ILP's memory constraints and the activation bytes per layer under each remat policy
@@ -79,7 +76,7 @@ from typing import TYPE_CHECKING
 
 from autopar.search.build.coarsen import Coarse
 from autopar.search.build.flatten import scan_ok
-from autopar.search.build.records import MemValue, Ref, Scope, pad
+from autopar.search.build.records import MemValue, Op, Ref, Scope, pad
 from autopar.search.build.residuals import Residuals, residuals
 from autopar.search.fusion import materialised_values
 from autopar.search.problem import MemoryConstraint
@@ -415,6 +412,106 @@ def copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
     return out
 
 
+_LAYOUT_OPS = frozenset({"rev", "transpose", "copy", "convert_element_type"})
+"""Unary ops a layout copy reads through to find where its operand comes from."""
+
+
+def canonical_conv_specs(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(lhs/out spec, rhs spec)`` of the ``NHWC/HWIO/NHWC`` form, in the order of
+    ``conv_general_dilated``'s ``dimension_numbers`` (batch or out-feature, feature or
+    in-feature, spatial...).
+
+    Example:
+        >>> canonical_conv_specs(4)  # NHWC: N=0, C=3, H=1, W=2; HWIO: O=3, I=2, H=0, W=1
+        ((0, 3, 1, 2), (3, 2, 0, 1))
+    """
+    spatial = tuple(range(1, ndim - 1))
+    return (0, ndim - 1, *spatial), (ndim - 1, ndim - 2, *(d - 1 for d in spatial))
+
+
+def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
+    """Bytes per device of the convolution layout copies live at each top-level moment,
+    on a device whose compiler makes them (``DeviceSpec.conv_layout_copies``: XLA:CPU);
+    zeros elsewhere.
+
+    XLA:CPU (``xla/service/cpu/conv_canonicalization.cc``) copies each operand of a
+    convolution that is not in ``NHWC/HWIO/NHWC`` form into that form: in a train step,
+    the activation and output gradient a kernel gradient reads (the batch is their
+    contracted dimension) and the kernel an input gradient reads (reversed, its feature
+    dimensions swapped). Where the copy lives (measured with ``--xla_dump_to`` live
+    ranges, jaxlib 0.10.2, on ``tests/search/test_memory_conv.py``'s step and the
+    Wide-ResNet of bench_fidelity):
+
+    * an operand made from a step argument alone (the images; a kernel, through its
+      ``rev``) is copied at the start of the step, beside the argument, and held until
+      its convolution;
+    * a backward value (the output gradient) is copied when it is made (its producing
+      fusion writes both) and held until its convolution, beside the original, which
+      other readers take as it is;
+    * a forward activation costs nothing: its producing fusion writes the copy, which
+      replaces it (the model already holds it to its backward reader).
+
+    Copies inside loop bodies are left to the body's peak, as :func:`copies` does.
+
+    Example:
+        >>> extra = layout_copies(bp, choice)  # a convolution step on CPU  # doctest: +SKIP
+        >>> extra[0] >= images_bytes  # the images' copy, from the start  # doctest: +SKIP
+        True
+    """
+    n = len(bp.timeline)
+    live = [0.0] * (n + 1)
+    if not getattr(bp.ctx.cluster.device, "conv_layout_copies", False):
+        return live[:-1]
+    pos = {node.id: i for i, node in enumerate(bp.graph.nodes)}
+    mesh = bp.ctx.mesh
+
+    def source(ref: Ref) -> Op:
+        op = bp.ops[ref.op]
+        while (
+            op.kind == "node"
+            and op.node.primitive in _LAYOUT_OPS
+            and len(op.operands) == 1
+            and op.operands[0] is not None
+        ):
+            op = bp.ops[op.operands[0].op]
+        return op
+
+    for op in bp.ops:
+        if op.kind != "node" or op.scope or op.node.primitive != "conv_general_dilated":
+            continue
+        t = pos.get(op.node.id)
+        if t is None or op.index not in bp.op_group:
+            continue
+        dn = op.node.params.get("dimension_numbers") or {}
+        act, kernel = canonical_conv_specs(len(op.node.out_tensors[0].shape))
+        wanted = (act, kernel)
+        st = bp.strategy(op.index, choice)
+        for k, key in enumerate(("lhs_spec", "rhs_spec")):
+            ref = op.operands[k] if k < len(op.operands) else None
+            if ref is None or tuple(dn.get(key, wanted[k])) == wanted[k]:
+                continue
+            src = source(ref)
+            if src.kind in ("input", "body_input"):
+                first = 0
+            elif src.phase == "backward":
+                made = bp.ops[ref.op]
+                first = pos.get(made.node.id, t) if made.kind == "node" and not made.scope else t
+                first = min(first, t)
+            else:
+                continue
+            tensor = op.node.in_tensors[k]
+            need = st.ins[k] if k < len(st.ins) and st.ins[k] is not None else None
+            layout = need if need is not None else bp.spec(ref, choice)
+            nbytes = tensor.nbytes / shards(layout, mesh)
+            live[first] += nbytes
+            live[t + 1] -= nbytes
+    running, out = 0.0, []
+    for d in live[:-1]:
+        running += d
+        out.append(running)
+    return out
+
+
 REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
 """Collectives whose result XLA writes beside their operand (:func:`reduction_buffers`)."""
 
@@ -493,8 +590,9 @@ def reduction_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
 def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str, float]]:
     """Exact peak bytes per device over every moment: (bytes, moment, breakdown).
 
-    Resharded copies (:func:`copies`) count as ``"resharded"``; the ILP's memory
-    constraints leave them out (they depend on two layouts at once); the planner re-solves
+    Resharded copies (:func:`copies`) count as ``"resharded"`` and convolution layout
+    copies (:func:`layout_copies`) as ``"layout_copies"``; the ILP's memory constraints
+    leave them out (they depend on two layouts at once); the planner re-solves
     under a lower bound when they push a solution over
     (:func:`autopar.search.intra_op.solve_within_memory`)."""
     cache: dict[int, float] = {}
@@ -513,7 +611,8 @@ def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str,
         return sum(base.values()), 0, base
     extra = copies(bp, choice)
     reduced = reduction_buffers(bp, choice)
-    totals = [a + b + c for a, b, c in zip(totals, extra, reduced, strict=True)]
+    relaid = layout_copies(bp, choice)
+    totals = [a + b + c + d for a, b, c, d in zip(totals, extra, reduced, relaid, strict=True)]
     t = max(range(len(totals)), key=totals.__getitem__)
     bd = dict(base)
     for v in bp.timeline.live_at(t):
@@ -522,6 +621,8 @@ def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str,
         bd["resharded"] = extra[t]
     if reduced[t]:
         bd["reduction_buffers"] = reduced[t]
+    if relaid[t]:
+        bd["layout_copies"] = relaid[t]
     return sum(base.values()) + totals[t], t, bd
 
 
@@ -529,7 +630,9 @@ __all__ = [
     "ROLE_CATEGORY",
     "Timeline",
     "REDUCTION_KINDS",
+    "canonical_conv_specs",
     "copies",
+    "layout_copies",
     "liveness",
     "memory_constraint",
     "peak",
