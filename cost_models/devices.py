@@ -211,6 +211,7 @@ class DeviceSpec:
             "vector_flops": self.vector_flops,
             "efficiency": self.efficiency.to_json(),
             "jax_device_kinds": list(self.jax_device_kinds),
+            "conv_layout_copies": self.conv_layout_copies,
         }
 
     @classmethod
@@ -229,6 +230,7 @@ class DeviceSpec:
                 if "efficiency" in data
                 else DEFAULT_EFFICIENCY,
                 jax_device_kinds=tuple(data.get("jax_device_kinds", ())),
+                conv_layout_copies=bool(data.get("conv_layout_copies", False)),
             )
         except KeyError as e:
             raise CostModelError(f"DeviceSpec JSON lacks the field {e.args[0]!r}") from None
