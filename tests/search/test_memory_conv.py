@@ -128,17 +128,21 @@ def test_a_peak_read_again_is_the_same_and_its_breakdown_is_the_callers():
     assert bounded.peak(choice)[0] == MODEL_PEAK
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own buffers")
-def test_xla_cpu_adds_its_conv_layout_copies_and_the_kernel_copy():
-    params, x = _args()
+@functools.cache
+def _compiled() -> tuple[float, str]:
+    """XLA's peak (``memory_analysis``, the kernels donated) and final HLO of the step."""
     compiled = (
         jax.jit(_step, donate_argnums=(0,))
-        .lower(params, x)
+        .lower(*_args())
         .compile(compiler_options=dict(CPU_MEMORY_COMPILER_OPTIONS))
     )
-    total = compiled_peak_bytes(compiled.memory_analysis())
+    return compiled_peak_bytes(compiled.memory_analysis()), compiled.as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own buffers")
+def test_xla_cpu_adds_its_conv_layout_copies_and_the_kernel_copy():
+    total, hlo = _compiled()
     assert total - _model_peak()[0] == CPU_ONLY
-    hlo = compiled.as_text()
     # The mechanisms: one copy of a donated kernel, of w2's shape ...
     kernel_copies = re.findall(r"= (f32\[[\d,]+\])\{[\d,]*\} copy\(%params\S*\)", hlo)
     assert kernel_copies == [f"f32[3,3,{K},{K}]"]
@@ -162,13 +166,7 @@ def test_under_the_cpu_rule_the_model_counts_the_layout_copies_by_hand():
 def test_under_the_cpu_rule_the_model_is_xla_cpus_peak_but_the_output_tuple():
     """XLA:CPU's copy of the donated w2 takes the bytes the model gives w2's reversed
     copy (which reuses w2's vacated buffer there): the totals agree."""
-    params, x = _args()
-    compiled = (
-        jax.jit(_step, donate_argnums=(0,))
-        .lower(params, x)
-        .compile(compiler_options=dict(CPU_MEMORY_COMPILER_OPTIONS))
-    )
-    total = compiled_peak_bytes(compiled.memory_analysis())
+    total, _ = _compiled()
     assert total - _model_peak("cpu")[0] == OUTPUT_TUPLE
 
 
