@@ -276,20 +276,20 @@ class Cluster:
         return cluster if profile is None else apply_profile(cluster, profile)
 
     def compiled_on(self, platform: str) -> Cluster:
-        """This cluster with the memory rules of the compiler for ``platform`` (``"cpu"``,
-        ``"gpu"``, ``"tpu"``): prices unchanged. For checking a plan made for these
+        """This cluster with its programs built by XLA for ``platform`` (``"cpu"``,
+        ``"gpu"``, ``"tpu"``): prices unchanged, the memory model following that
+        compiler's buffers (``DeviceSpec.compiler``). For checking a plan made for these
         devices against a program compiled elsewhere, e.g. a DGX plan's predicted peak
-        against ``memory_analysis()`` on simulated CPU devices, where XLA:CPU copies
-        convolution operands (``DeviceSpec.conv_layout_copies``).
+        against ``memory_analysis()`` on simulated CPU devices.
 
         Example:
             >>> c = Cluster.preset("dgx-a100-80gb").compiled_on("cpu")
-            >>> c.device.conv_layout_copies, c.device.peak_flops == Cluster.preset(
+            >>> c.device.compiler, c.device.peak_flops == Cluster.preset(
             ...     "dgx-a100-80gb").device.peak_flops
-            (True, True)
+            ('xla:cpu', True)
         """
         check_choice("platform", platform, ("cpu", "gpu", "tpu"))
-        return replace(self, device=replace(self.device, conv_layout_copies=platform == "cpu"))
+        return replace(self, device=replace(self.device, compiler=f"xla:{platform}"))
 
     # ------------------------------------------------------------------ geometry
 

@@ -22,6 +22,8 @@ from cost_models.errors import CostModelError, check_choice, check_positive
 
 DeviceKind = Literal["gpu", "tpu", "cpu"]
 DEVICE_KINDS: tuple[str, ...] = ("gpu", "tpu", "cpu")
+COMPILERS: tuple[str, ...] = ("xla:gpu", "xla:tpu", "xla:cpu")
+"""Compilers whose buffers the memory model knows (``DeviceSpec.compiler``)."""
 
 # Canonical dtype names and the spellings we accept for them (numpy/jax names, short forms).
 _DTYPE_ALIASES: dict[str, str] = {
@@ -111,15 +113,15 @@ class DeviceSpec:
         efficiency: achievable fractions of peak (matmul curve, HBM); calibration replaces it.
         jax_device_kinds: lowercase substrings of ``jax.Device.device_kind`` that identify
             this device (``Cluster.local`` uses them).
-        conv_layout_copies: its compiler copies the operands of a convolution that is not
-            in ``NHWC/HWIO/NHWC`` form into that form (XLA:CPU's
-            ``xla/service/cpu/conv_canonicalization.cc``: the backward convolutions of a
-            train step), so the memory model counts those copies
-            (:func:`autopar.search.build.memory.layout_copies`). ``False`` for GPUs and
-            TPUs: XLA:GPU hands backward convolutions to cuDNN as they are where its layout
-            assignment keeps NHWC (Hopper and later; 16-bit types from Volta on), XLA:TPU
-            assigns layouts itself. Float32 convolutions on GPUs before Hopper run NCHW,
-            where XLA:GPU copies too: not modelled (not measured, no GPU here).
+        compiler: the compiler that builds its programs (``"xla:gpu"``, ``"xla:tpu"``,
+            ``"xla:cpu"``; default ``"xla:"`` + ``kind``). The memory model follows its
+            buffers where they differ (:mod:`autopar.search.build.memory`): XLA:CPU copies
+            the operands of a convolution that is not in ``NHWC/HWIO/NHWC`` form
+            (``xla/service/cpu/conv_canonicalization.cc``) and expands a max-pool's
+            gradient (``select_and_scatter``) into window indices and a padded result;
+            XLA:GPU hands backward convolutions to cuDNN as they are where its layout
+            assignment keeps NHWC (Hopper and later; 16-bit types from Volta on) and
+            emits ``select_and_scatter`` as one kernel. ``Cluster.compiled_on`` sets it.
 
     Example:
         >>> DeviceSpec("toy", "gpu", {"bfloat16": 1e12}, 2**30, 1e11, "made up").flops_for("bf16")
@@ -135,7 +137,7 @@ class DeviceSpec:
     vector_flops: float = 0.0
     efficiency: Efficiency = DEFAULT_EFFICIENCY
     jax_device_kinds: tuple[str, ...] = ()
-    conv_layout_copies: bool = False
+    compiler: str = ""
 
     def __post_init__(self) -> None:
         check_choice("DeviceSpec.kind", self.kind, DEVICE_KINDS)
@@ -158,6 +160,8 @@ class DeviceSpec:
         object.__setattr__(
             self, "jax_device_kinds", tuple(s.lower() for s in self.jax_device_kinds)
         )
+        object.__setattr__(self, "compiler", self.compiler or f"xla:{self.kind}")
+        check_choice(f"DeviceSpec {self.name!r} compiler", self.compiler, COMPILERS)
 
     def flops_for(self, dtype: object) -> float:
         """Dense matmul peak FLOP/s for ``dtype``, with documented fallbacks.
@@ -211,7 +215,7 @@ class DeviceSpec:
             "vector_flops": self.vector_flops,
             "efficiency": self.efficiency.to_json(),
             "jax_device_kinds": list(self.jax_device_kinds),
-            "conv_layout_copies": self.conv_layout_copies,
+            "compiler": self.compiler,
         }
 
     @classmethod
@@ -230,7 +234,7 @@ class DeviceSpec:
                 if "efficiency" in data
                 else DEFAULT_EFFICIENCY,
                 jax_device_kinds=tuple(data.get("jax_device_kinds", ())),
-                conv_layout_copies=bool(data.get("conv_layout_copies", False)),
+                compiler=str(data.get("compiler", "")),
             )
         except KeyError as e:
             raise CostModelError(f"DeviceSpec JSON lacks the field {e.args[0]!r}") from None
@@ -340,7 +344,6 @@ _CATALOG: tuple[DeviceSpec, ...] = (
         source="fictitious: a100-80gb speeds / 100 (same compute:memory:link balance), "
         "2 GiB memory so limits bind for toy models; not a real machine",
         jax_device_kinds=("cpu",),
-        conv_layout_copies=True,  # XLA:CPU, measured: tests/search/test_memory_conv.py
     ),
 )
 

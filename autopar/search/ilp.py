@@ -68,6 +68,7 @@ class BuiltProblem:
         unsupported: primitives no strategy rule knows.
         coarse_stats: sizes (ops, graph nodes, groups).
         value_refs: top-level graph value id -> where the problem makes it.
+        remat: the remat policy the timeline applies.
     """
 
     graph: Graph
@@ -86,6 +87,7 @@ class BuiltProblem:
     unsupported: tuple[str, ...] = ()
     coarse_stats: Mapping[str, int] = field(default_factory=dict)
     value_refs: Mapping[int, Ref] = field(default_factory=dict)
+    remat: str = "none"
     # choice -> its exact peak: a solution's peak is read when the solve checks it against
     # the bound and again when it is decoded (a 48-block step: about 0.1 s each). A problem
     # made by ``replace`` starts its own (init=False fields are not copied).
@@ -284,6 +286,7 @@ def build(
                 "groups": len(priced.groups),
             },
             coarse.envs.get((), {}),
+            remat,
         )
         return bp.with_moments(memory.pick_moments(timeline, num_moments))
 

@@ -109,7 +109,7 @@ def test_json_round_trip_and_describe():
         c = Cluster.preset(name)
         assert Cluster.from_json(c.to_json()) == c
     on_cpu = Cluster.preset("dgx-a100-80gb").compiled_on("cpu")
-    assert Cluster.from_json(on_cpu.to_json()).device.conv_layout_copies
+    assert Cluster.from_json(on_cpu.to_json()).device.compiler == "xla:cpu"
     text = Cluster.preset("dgx-a100-80gb", nodes=2).describe()
     assert "2 nodes x 8 a100-80gb = 16 devices" in text
     assert "infiniband" in text

@@ -64,7 +64,7 @@ LOSS = F32
 # By hand, from the shapes: the model's peak, and what XLA:CPU adds.
 MODEL_PEAK = W1 + W2 + X + 4 * ACT + LOSS  # 603,652
 CPU_ONLY = X + ACT + W2 + 3 * 8  # x^T, dy^T, the copy of w2, the output tuple: 205,848
-# The model under XLA:CPU's rule (``DeviceSpec.conv_layout_copies``), at the same moment:
+# The model under XLA:CPU's rule (``DeviceSpec.compiler``), at the same moment:
 # x^T (w1's kernel gradient, from the start), w2 reversed and transposed (w2's input
 # gradient, from the start), dy^T (w2's kernel gradient, made with dy).
 CPU_LAYOUT_COPIES = X + W2 + ACT  # 205,824
@@ -159,7 +159,7 @@ def test_under_the_cpu_rule_the_model_counts_the_layout_copies_by_hand():
     assert breakdown["activations"] == 4 * ACT + LOSS
     # The GPU preset itself keeps NHWC: no layout copies.
     assert "layout_copies" not in _model_peak("gpu")[2]
-    assert not Cluster.preset("dgx-a100-80gb").device.conv_layout_copies
+    assert Cluster.preset("dgx-a100-80gb").device.compiler == "xla:gpu"
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own buffers")

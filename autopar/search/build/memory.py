@@ -26,24 +26,30 @@ scanned ZeRO-1/ZeRO-3/Megatron GPT and MoE, the replicated Wide-ResNet of
 bench_fidelity; in the ZeRO-3 GPT dump the live-range file's "peak usage" line, 1.22 MB,
 is 0.3 MB below the bytes live at its combined gradient all-reduce).
 
-Convolution layout copies depend on the compiler (``DeviceSpec.conv_layout_copies``):
-XLA:CPU copies the operands of the backward convolutions into ``NHWC/HWIO/NHWC`` form
-(:func:`layout_copies`: the images and each kernel from the start of the step, an output
-gradient from when it is made, each to its convolution; a forward activation's copy
-replaces it). XLA:GPU hands those convolutions to cuDNN as they are where its layout
-assignment keeps NHWC (``GpuConvRewriter``, ``HeuristicLayoutAssignment``: Hopper and
-later, 16-bit types from Volta on), so a GPU plan has none. Float32 convolutions before
-Hopper run NCHW, and there XLA:GPU copies much as XLA:CPU does: not modelled (not
-measured, no GPU here). A plan priced for GPUs and checked on simulated CPU devices takes
-the CPU rule with ``Cluster.compiled_on("cpu")`` (bench_fidelity does).
+Two kinds of buffers depend on the compiler (``DeviceSpec.compiler``; a preset's prices
+with another compiler's buffers: ``Cluster.compiled_on``, which bench_fidelity uses to
+check a DGX plan against the program XLA:CPU builds):
 
-Measured (``--xla_dump_to`` live ranges, jaxlib 0.10.2, one device) on the replicated
-Wide-ResNet of bench_fidelity (tiny, batch 64, ``memory_analysis`` 14.83 MiB): XLA's peak
-(the backward of ``block_3/conv2``, where the model's is too) holds 2.02 MiB of copies,
-the images transposed (0.75 MiB), the kernels transposed and reversed for their input
-gradients (0.35 MiB) and copies of donated kernels (0.92 MiB, below); the model counts
-1.66 MiB of layout copies there (the images, and every kernel whose input gradient is still
-to run) and predicts 14.40 MiB (-2.8%; 12.75 MiB, -14%, without them).
+* convolution layout copies (:func:`layout_copies`): XLA:CPU copies the operands of the
+  backward convolutions into ``NHWC/HWIO/NHWC`` form (the images and each kernel from the
+  start of the step, an output gradient from when it is made, each to its convolution; a
+  forward activation's copy replaces it, at the size of the slice the convolution reads).
+  XLA:GPU hands those convolutions to cuDNN as they are where its layout assignment keeps
+  NHWC (``GpuConvRewriter``, ``HeuristicLayoutAssignment``: Hopper and later, 16-bit
+  types from Volta on), so a GPU plan has none. Float32 convolutions before Hopper run
+  NCHW, and there XLA:GPU copies much as XLA:CPU does: not modelled (not measured, no
+  GPU here).
+* a max-pool's gradient (:func:`select_and_scatter_buffers`): XLA:CPU expands
+  ``select_and_scatter`` into window indices kept from the forward pool and a padded
+  result; XLA:GPU runs it as one kernel.
+
+Measured (``--xla_dump_to`` live ranges, jaxlib 0.10.2) on the Wide-ResNet of
+bench_fidelity (tiny): replicated at batch 64 (``memory_analysis`` 14.82 MiB) the model
+predicts 15.54 MiB (+4.8%; 12.75 MiB, -14.0%, without either kind); the plan the search
+makes for 8 simulated CPU devices at batch 1024 (mesh {data: 8}; the kernel gradients
+split the batch) 119.06 MiB against 114.95 (+3.6%; +17.9% with the copies held whole, 135.50
+MiB); ``tests/search/test_memory_conv.py`` and ``tests/search/test_memory_pool.py`` count
+both by hand.
 
 Not modelled, on purpose: a copy of a donated kernel that its input gradient reads. That
 read is not ordered by data dependence before the kernel's in-place update, so copy
@@ -56,7 +62,9 @@ gradient), so a copy costs memory only when nothing of its size fills that buffe
 MLP zoo step the 4 MiB copy of ``layer_1/w`` costs nothing (its gradient takes the
 parameter's buffer); in the two-convolution step of ``tests/search/test_memory_conv.py``
 the reversed kernel the model counts takes it, and the model's peak is XLA's to the byte
-but for the output tuple's 24 bytes.
+but for the output tuple's 24 bytes. (That holds at the test's batch of 8; at batch 64
+XLA's schedule runs ``w2``'s input gradient while the forward's ``2 y`` is still live,
+one activation more than the model's peak holds: -14%. The model keeps program order.)
 
 This is the planner's one memory model: ``plan.predicted.memory_bytes_per_device``, the
 ILP's memory constraints and the activation bytes per layer under each remat policy
@@ -70,6 +78,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -169,6 +178,35 @@ def liveness(coarse: Coarse, remat: str = "none") -> tuple[tuple[MemValue, ...],
     )
 
 
+def run_moments(graph: Graph) -> tuple[set[int], list[int]]:
+    """``(stored, runs)``: the values XLA keeps (``fusion.materialised_values``) and, per
+    node, the position at which its work happens. A value fused into its consumer never
+    occupies memory; the fusion runs when its consumer does, so the inputs it reads stay
+    live until then. Memoised on the graph.
+
+    Example:
+        >>> stored, runs = run_moments(graph)  # doctest: +SKIP
+        >>> all(r >= i for i, r in enumerate(runs))  # doctest: +SKIP
+        True
+    """
+    hit = graph.__dict__.get("_run_moments")
+    if hit is not None:
+        return hit
+    nodes = graph.nodes
+    pos = {node.id: i for i, node in enumerate(nodes)}
+    stored = materialised_values(graph)
+    runs = list(range(len(nodes)))
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        if node.outputs and not any(v in stored for v in node.outputs):
+            runs[i] = max(
+                (runs[pos[c]] for v in node.outputs for c in graph.consumers.get(v, ())),
+                default=i,
+            )
+    graph.__dict__["_run_moments"] = (stored, runs)
+    return stored, runs
+
+
 def _timeline(
     coarse: Coarse,
     graph: Graph,
@@ -185,18 +223,7 @@ def _timeline(
     born: list[list[MemValue]] = [[] for _ in range(n)]
     dies: list[list[MemValue]] = [[] for _ in range(n)]
     extra: list[tuple[MemValue, ...]] = [() for _ in range(n)]
-    # A value fused into its consumer never occupies memory; the fusion runs when its
-    # consumer does, so the inputs it reads stay live until then. ``runs[i]``: the
-    # position at which node i's work happens.
-    stored = materialised_values(graph)
-    runs = list(range(n))
-    for i in range(n - 1, -1, -1):
-        node = nodes[i]
-        if node.outputs and not any(v in stored for v in node.outputs):
-            runs[i] = max(
-                (runs[pos[c]] for v in node.outputs for c in graph.consumers.get(v, ())),
-                default=i,
-            )
+    stored, runs = run_moments(graph)
     spans: list[Span] = []
     for i, node in enumerate(nodes):
         for port, v in enumerate(node.outputs):
@@ -430,17 +457,18 @@ def canonical_conv_specs(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
-    """Bytes per device of the convolution layout copies live at each top-level moment,
-    on a device whose compiler makes them (``DeviceSpec.conv_layout_copies``: XLA:CPU);
-    zeros elsewhere.
+    """Bytes per device that convolution layout copies add at each top-level moment, on
+    a device whose compiler makes them (``DeviceSpec.compiler`` ``"xla:cpu"``);
+    zeros elsewhere. Negative where a copy held in a smaller layout replaces its value.
 
     XLA:CPU (``xla/service/cpu/conv_canonicalization.cc``) copies each operand of a
     convolution that is not in ``NHWC/HWIO/NHWC`` form into that form: in a train step,
     the activation and output gradient a kernel gradient reads (the batch is their
     contracted dimension) and the kernel an input gradient reads (reversed, its feature
-    dimensions swapped). Where the copy lives (measured with ``--xla_dump_to`` live
-    ranges, jaxlib 0.10.2, on ``tests/search/test_memory_conv.py``'s step and the
-    Wide-ResNet of bench_fidelity):
+    dimensions swapped). The copy is in the layout the convolution reads (a slice of
+    the value where the convolution splits what the value keeps whole). Where it lives
+    (measured with ``--xla_dump_to`` live ranges, jaxlib 0.10.2, on
+    ``tests/search/test_memory_conv.py``'s step and the Wide-ResNet of bench_fidelity):
 
     * an operand made from a step argument alone (the images; a kernel, through its
       ``rev``) is copied at the start of the step, beside the argument, and held until
@@ -448,8 +476,13 @@ def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
     * a backward value (the output gradient) is copied when it is made (its producing
       fusion writes both) and held until its convolution, beside the original, which
       other readers take as it is;
-    * a forward activation costs nothing: its producing fusion writes the copy, which
-      replaces it (the model already holds it to its backward reader).
+    * a forward activation is copied after its last other reader and the copy replaces
+      it: nothing is added, and where the convolution reads a slice (the batch split
+      over the devices while the activation is whole) the value is held at the slice's
+      size from then until its convolution (without remat: a remat policy decides
+      itself when a forward value is held);
+    * a read that moves data (an all-gather) is copied beside the moved copy, at the
+      convolution.
 
     Copies inside loop bodies are left to the body's peak, as :func:`copies` does.
 
@@ -460,9 +493,11 @@ def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
     """
     n = len(bp.timeline)
     live = [0.0] * (n + 1)
-    if not getattr(bp.ctx.cluster.device, "conv_layout_copies", False):
+    if getattr(bp.ctx.cluster.device, "compiler", "") != "xla:cpu":
         return live[:-1]
-    pos = {node.id: i for i, node in enumerate(bp.graph.nodes)}
+    graph = bp.graph
+    pos = {node.id: i for i, node in enumerate(graph.nodes)}
+    stored, runs = run_moments(graph)
     mesh = bp.ctx.mesh
 
     def source(ref: Ref) -> Op:
@@ -476,6 +511,14 @@ def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
             op = bp.ops[op.operands[0].op]
         return op
 
+    def add(first: int, last: int, nbytes: float) -> None:
+        if first <= last:
+            live[first] += nbytes
+            live[last + 1] -= nbytes
+
+    # Forward activations read by layout-copying convolutions: value -> (the value's
+    # bytes, {the copy's bytes}, the convolutions' node ids).
+    sliced: dict[int, tuple[float, set[float], set[int]]] = {}
     for op in bp.ops:
         if op.kind != "node" or op.scope or op.node.primitive != "conv_general_dilated":
             continue
@@ -483,28 +526,98 @@ def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
         if t is None or op.index not in bp.op_group:
             continue
         dn = op.node.params.get("dimension_numbers") or {}
-        act, kernel = canonical_conv_specs(len(op.node.out_tensors[0].shape))
-        wanted = (act, kernel)
+        wanted = canonical_conv_specs(len(op.node.out_tensors[0].shape))
         st = bp.strategy(op.index, choice)
         for k, key in enumerate(("lhs_spec", "rhs_spec")):
             ref = op.operands[k] if k < len(op.operands) else None
             if ref is None or tuple(dn.get(key, wanted[k])) == wanted[k]:
                 continue
+            tensor = op.node.in_tensors[k]
+            have = bp.spec(ref, choice)
+            need = st.ins[k] if k < len(st.ins) and st.ins[k] is not None else have
+            nbytes = tensor.nbytes / shards(need, mesh)
             src = source(ref)
             if src.kind in ("input", "body_input"):
-                first = 0
+                add(0, t, nbytes)
+            elif have != need and bp.ctx.reshard(tensor.shape, tensor.dtype, have, need)[1]:
+                add(t, t, nbytes)  # beside the moved copy (:func:`copies`)
             elif src.phase == "backward":
                 made = bp.ops[ref.op]
                 first = pos.get(made.node.id, t) if made.kind == "node" and not made.scope else t
-                first = min(first, t)
-            else:
-                continue
-            tensor = op.node.in_tensors[k]
-            need = st.ins[k] if k < len(st.ins) and st.ins[k] is not None else None
-            layout = need if need is not None else bp.spec(ref, choice)
-            nbytes = tensor.nbytes / shards(layout, mesh)
-            live[first] += nbytes
-            live[t + 1] -= nbytes
+                add(min(first, t), t, nbytes)
+            elif op.node.inputs[k] in stored and bp.remat == "none":
+                whole = tensor.nbytes / shards(have, mesh)
+                entry = sliced.setdefault(op.node.inputs[k], (whole, set(), set()))
+                entry[1].add(nbytes)
+                entry[2].add(op.node.id)
+    born = {v: i for i, node in enumerate(graph.nodes) for v in node.outputs} if sliced else {}
+    for v, (whole, parts, convs) in sliced.items():
+        if len(parts) != 1 or (part := next(iter(parts))) >= whole or v not in born:
+            continue  # the copy is the value's size (or readers differ): nothing changes
+        others = [runs[pos[c]] for c in graph.consumers.get(v, ()) if c in pos and c not in convs]
+        last = max(runs[pos[c]] for c in convs)
+        add(max(others, default=born[v] - 1) + 1, last, part - whole)
+    running, out = 0.0, []
+    for d in live[:-1]:
+        running += d
+        out.append(running)
+    return out
+
+
+def select_and_scatter_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
+    """Bytes per device that XLA:CPU's expansion of a max-pool's gradient adds at each
+    top-level moment (``DeviceSpec.compiler`` ``"xla:cpu"``; zeros elsewhere).
+
+    XLA:CPU rewrites ``select_and_scatter`` (``xla/service/select_and_scatter_expander``)
+    into a reduce-window over the padded operand and one ``s32`` iota of it per dimension,
+    which finds each window's argmax (its index per dimension), and a scatter of the
+    output gradient into a zero-filled padded result. Measured (``--xla_dump_to`` live
+    ranges, jaxlib 0.10.2, the Wide-ResNet of bench_fidelity at batch 64 and 1024): the
+    argmax reduce-window runs beside the forward pool, so the window indices
+    (``s32[windows, rank]``) and the zero-filled padded result are held from the forward
+    pool to the scatter, and the iotas (``rank`` padded ``s32`` arrays) live at the
+    forward pool only. XLA:GPU emits ``select_and_scatter`` as one kernel: none there.
+
+    Example:
+        >>> extra = select_and_scatter_buffers(bp, choice)  # doctest: +SKIP
+    """
+    n = len(bp.timeline)
+    live = [0.0] * (n + 1)
+    if getattr(bp.ctx.cluster.device, "compiler", "") != "xla:cpu":
+        return live[:-1]
+    graph = bp.graph
+    pos = {node.id: i for i, node in enumerate(graph.nodes)}
+    _, runs = run_moments(graph)
+    mesh = bp.ctx.mesh
+    for op in bp.ops:
+        if op.kind != "node" or op.scope or op.node.primitive != "select_and_scatter_add":
+            continue
+        t = pos.get(op.node.id)
+        if t is None or op.index not in bp.op_group or len(op.node.in_tensors) < 2:
+            continue
+        source, operand = op.node.in_tensors[0], op.node.in_tensors[1]
+        rank = len(operand.shape)
+        pads = op.node.params.get("padding") or [(0, 0)] * rank
+        padded = math.prod(
+            d + int(lo) + int(hi) for d, (lo, hi) in zip(operand.shape, pads, strict=True)
+        )
+        st = bp.strategy(op.index, choice)
+        ins = [st.ins[k] if k < len(st.ins) and st.ins[k] is not None else None for k in (0, 1)]
+        src_shards = shards(ins[0], mesh) if ins[0] is not None else 1
+        opd_shards = shards(ins[1], mesh) if ins[1] is not None else 1
+        pool = [
+            runs[pos[c]]
+            for c in graph.consumers.get(op.node.inputs[1], ())
+            if c in pos and graph.nodes[pos[c]].primitive == "reduce_window_max"
+        ]
+        first = min(min(pool, default=t), t)
+        indices = math.prod(source.shape) * rank * 4 / src_shards
+        result = padded * operand.itemsize / opd_shards
+        live[first] += indices + result
+        live[t + 1] -= indices + result
+        iotas = padded * rank * 4 / opd_shards
+        live[first] += iotas
+        live[first + 1] -= iotas
     running, out = 0.0, []
     for d in live[:-1]:
         running += d
@@ -612,7 +725,11 @@ def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str,
     extra = copies(bp, choice)
     reduced = reduction_buffers(bp, choice)
     relaid = layout_copies(bp, choice)
-    totals = [a + b + c + d for a, b, c, d in zip(totals, extra, reduced, relaid, strict=True)]
+    expanded = select_and_scatter_buffers(bp, choice)
+    totals = [
+        a + b + c + d + e
+        for a, b, c, d, e in zip(totals, extra, reduced, relaid, expanded, strict=True)
+    ]
     t = max(range(len(totals)), key=totals.__getitem__)
     bd = dict(base)
     for v in bp.timeline.live_at(t):
@@ -623,6 +740,8 @@ def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str,
         bd["reduction_buffers"] = reduced[t]
     if relaid[t]:
         bd["layout_copies"] = relaid[t]
+    if expanded[t]:
+        bd["select_and_scatter"] = expanded[t]
     return sum(base.values()) + totals[t], t, bd
 
 
@@ -638,5 +757,7 @@ __all__ = [
     "peak",
     "pick_moments",
     "reduction_buffers",
+    "run_moments",
+    "select_and_scatter_buffers",
     "value_bytes",
 ]
