@@ -432,15 +432,37 @@ def copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
     for first, last, nbytes in spans.values():
         live[int(first)] += nbytes
         live[int(last) + 1] -= nbytes
+    return _running(live)
+
+
+_LAYOUT_OPS = frozenset({"rev", "transpose", "copy", "convert_element_type"})
+"""Unary ops a layout copy reads through to find where its operand comes from."""
+
+
+def _running(deltas: Sequence[float]) -> list[float]:
+    """Per moment, the running sum of ``deltas`` (its last entry, past the end, dropped)."""
     running, out = 0.0, []
-    for d in live[:-1]:
+    for d in deltas[:-1]:
         running += d
         out.append(running)
     return out
 
 
-_LAYOUT_OPS = frozenset({"rev", "transpose", "copy", "convert_element_type"})
-"""Unary ops a layout copy reads through to find where its operand comes from."""
+def _xla_cpu_ops(bp: BuiltProblem, primitive: str) -> list[tuple[Op, int]]:
+    """The top-level ``primitive`` ops with their moments, when XLA:CPU builds the
+    program (``DeviceSpec.compiler``); none for any other compiler."""
+    if getattr(bp.ctx.cluster.device, "compiler", "") != "xla:cpu":
+        return []
+    pos = {node.id: i for i, node in enumerate(bp.graph.nodes)}
+    return [
+        (op, pos[op.node.id])
+        for op in bp.ops
+        if op.kind == "node"
+        and not op.scope
+        and op.node.primitive == primitive
+        and op.node.id in pos
+        and op.index in bp.op_group
+    ]
 
 
 def canonical_conv_specs(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -491,9 +513,9 @@ def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
         >>> extra[0] >= images_bytes  # the images' copy, from the start  # doctest: +SKIP
         True
     """
-    n = len(bp.timeline)
-    live = [0.0] * (n + 1)
-    if getattr(bp.ctx.cluster.device, "compiler", "") != "xla:cpu":
+    live = [0.0] * (len(bp.timeline) + 1)
+    convs = _xla_cpu_ops(bp, "conv_general_dilated")
+    if not convs:
         return live[:-1]
     graph = bp.graph
     pos = {node.id: i for i, node in enumerate(graph.nodes)}
@@ -519,12 +541,7 @@ def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
     # Forward activations read by layout-copying convolutions: value -> (the value's
     # bytes, {the copy's bytes}, the convolutions' node ids).
     sliced: dict[int, tuple[float, set[float], set[int]]] = {}
-    for op in bp.ops:
-        if op.kind != "node" or op.scope or op.node.primitive != "conv_general_dilated":
-            continue
-        t = pos.get(op.node.id)
-        if t is None or op.index not in bp.op_group:
-            continue
+    for op, t in convs:
         dn = op.node.params.get("dimension_numbers") or {}
         wanted = canonical_conv_specs(len(op.node.out_tensors[0].shape))
         st = bp.strategy(op.index, choice)
@@ -557,11 +574,7 @@ def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
         others = [runs[pos[c]] for c in graph.consumers.get(v, ()) if c in pos and c not in convs]
         last = max(runs[pos[c]] for c in convs)
         add(max(others, default=born[v] - 1) + 1, last, part - whole)
-    running, out = 0.0, []
-    for d in live[:-1]:
-        running += d
-        out.append(running)
-    return out
+    return _running(live)
 
 
 def select_and_scatter_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
@@ -581,19 +594,13 @@ def select_and_scatter_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[
     Example:
         >>> extra = select_and_scatter_buffers(bp, choice)  # doctest: +SKIP
     """
-    n = len(bp.timeline)
-    live = [0.0] * (n + 1)
-    if getattr(bp.ctx.cluster.device, "compiler", "") != "xla:cpu":
-        return live[:-1]
+    live = [0.0] * (len(bp.timeline) + 1)
     graph = bp.graph
     pos = {node.id: i for i, node in enumerate(graph.nodes)}
     _, runs = run_moments(graph)
     mesh = bp.ctx.mesh
-    for op in bp.ops:
-        if op.kind != "node" or op.scope or op.node.primitive != "select_and_scatter_add":
-            continue
-        t = pos.get(op.node.id)
-        if t is None or op.index not in bp.op_group or len(op.node.in_tensors) < 2:
+    for op, t in _xla_cpu_ops(bp, "select_and_scatter_add"):
+        if len(op.node.in_tensors) < 2:
             continue
         source, operand = op.node.in_tensors[0], op.node.in_tensors[1]
         rank = len(operand.shape)
@@ -618,11 +625,7 @@ def select_and_scatter_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[
         iotas = padded * rank * 4 / opd_shards
         live[first] += iotas
         live[first + 1] -= iotas
-    running, out = 0.0, []
-    for d in live[:-1]:
-        running += d
-        out.append(running)
-    return out
+    return _running(live)
 
 
 REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
