@@ -568,11 +568,11 @@ def layout_copies(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
                 entry[1].add(nbytes)
                 entry[2].add(op.node.id)
     born = {v: i for i, node in enumerate(graph.nodes) for v in node.outputs} if sliced else {}
-    for v, (whole, parts, convs) in sliced.items():
+    for v, (whole, parts, readers) in sliced.items():
         if len(parts) != 1 or (part := next(iter(parts))) >= whole or v not in born:
             continue  # the copy is the value's size (or readers differ): nothing changes
-        others = [runs[pos[c]] for c in graph.consumers.get(v, ()) if c in pos and c not in convs]
-        last = max(runs[pos[c]] for c in convs)
+        others = [runs[pos[c]] for c in graph.consumers.get(v, ()) if c in pos and c not in readers]
+        last = max(runs[pos[c]] for c in readers)
         add(max(others, default=born[v] - 1) + 1, last, part - whole)
     return _running(live)
 
@@ -595,11 +595,14 @@ def select_and_scatter_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[
         >>> extra = select_and_scatter_buffers(bp, choice)  # doctest: +SKIP
     """
     live = [0.0] * (len(bp.timeline) + 1)
+    pools = _xla_cpu_ops(bp, "select_and_scatter_add")
+    if not pools:
+        return live[:-1]
     graph = bp.graph
     pos = {node.id: i for i, node in enumerate(graph.nodes)}
     _, runs = run_moments(graph)
     mesh = bp.ctx.mesh
-    for op, t in _xla_cpu_ops(bp, "select_and_scatter_add"):
+    for op, t in pools:
         if len(op.node.in_tensors) < 2:
             continue
         source, operand = op.node.in_tensors[0], op.node.in_tensors[1]
@@ -706,9 +709,10 @@ def reduction_buffers(bp: BuiltProblem, choice: Sequence[int]) -> list[float]:
 def peak(bp: BuiltProblem, choice: Sequence[int]) -> tuple[float, int, dict[str, float]]:
     """Exact peak bytes per device over every moment: (bytes, moment, breakdown).
 
-    Resharded copies (:func:`copies`) count as ``"resharded"`` and convolution layout
-    copies (:func:`layout_copies`) as ``"layout_copies"``; the ILP's memory constraints
-    leave them out (they depend on two layouts at once); the planner re-solves
+    Resharded copies (:func:`copies`) count as ``"resharded"``, convolution layout
+    copies (:func:`layout_copies`) as ``"layout_copies"`` and an expanded max-pool
+    gradient (:func:`select_and_scatter_buffers`) as ``"select_and_scatter"``; the ILP's
+    memory constraints leave them out (they depend on two layouts at once); the planner re-solves
     under a lower bound when they push a solution over
     (:func:`autopar.search.intra_op.solve_within_memory`)."""
     cache: dict[int, float] = {}
