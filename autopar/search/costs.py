@@ -163,7 +163,9 @@ class CostContext:
                 prev = step
         else:
             colls = self._reshard_step(shape, dtype, src, dst)
-        out = (sum(c.time_s for c in colls), tuple(colls))
+        # An axis of size 1 holds the whole tensor on every device: nothing moves over it.
+        colls = [c for c in colls if math.prod(self.mesh_dict.get(a, 1) for a in c.axes) > 1]
+        out = (sum((c.time_s for c in colls), 0.0), tuple(colls))
         self._reshard[key] = out
         return out
 

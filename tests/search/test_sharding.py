@@ -161,3 +161,16 @@ def test_a_reshard_is_priced_step_by_step_as_it_is_lowered():
         ("all-to-all", 512),
         ("collective-permute", 512),
     ]
+
+
+def test_a_reshard_over_an_axis_of_size_one_moves_nothing():
+    # Every device holds the whole tensor along an axis of size 1: leaving it is free
+    # and no collective runs (the memory model counts no copy for it); the bigger axis
+    # next to it still all-gathers the whole 8x8 float32 buffer.
+    from autopar.search.costs import CostContext
+    from cost_models import Cluster
+
+    ctx = CostContext(Cluster.preset("dgx-a100-80gb"), {"one": 1, "data": 8})
+    assert ctx.reshard((8, 8), "float32", (("one",), ()), ((), ())) == (0.0, ())
+    _, colls = ctx.reshard((8, 8), "float32", (("one", "data"), ()), ((), ()))
+    assert [(c.kind, c.nbytes) for c in colls] == [("all-gather", 8 * 8 * 4)]
