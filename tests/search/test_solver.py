@@ -342,3 +342,24 @@ def test_a_relaxation_still_running_does_not_hold_up_the_end_of_a_script():
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", script], check=True, timeout=100)
     assert time.monotonic() - t0 < 60
+
+
+def test_highs_matrix_is_compressed_by_column_with_repeated_entries_summed():
+    import numpy as np
+
+    from autopar.search.solver import _csc, _Lp
+
+    # Two rows, three columns; (row 0, col 2) given twice (1.5 + 2.5), column 1 empty.
+    lp = _Lp(
+        cost=np.zeros(3), upper=np.ones(3),
+        rows=np.array([1, 0, 0, 1, 0]), cols=np.array([0, 2, 0, 2, 2]),
+        vals=np.array([7.0, 1.5, 3.0, 5.0, 2.5]),
+        lo=np.zeros(2), hi=np.ones(2), x={}, num_x=0, scale=1.0,
+    )  # fmt: skip
+    start, index, value = _csc(lp)
+    dense = np.zeros((2, 3))
+    for c in range(3):
+        for k in range(start[c], start[c + 1]):
+            dense[index[k], c] += value[k]
+    assert start.tolist() == [0, 2, 2, 4]
+    assert dense.tolist() == [[3.0, 0.0, 4.0], [7.0, 0.0, 5.0]]
