@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,7 +35,9 @@ from autopar.search.sharding import (
 ComputeKind = str  # "matmul" | "elementwise" | "reduction" | "other"
 
 
+@functools.cache
 def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (memoised: the search asks it per reshard)."""
     if dtype in ("bool", "float0"):
         return 1
     try:
@@ -84,10 +87,16 @@ class CostContext:
         self._reshard: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
         self._routes: dict[tuple, tuple] = {}
         self._step_moves: dict[tuple, tuple] = {}
+        self._divides: dict[tuple, bool] = {}
+        # Axes of size 1: a collective over only these moves nothing (filtered out).
+        self._unit_axes = frozenset(a for a, n in self.mesh_dict.items() if n == 1)
 
     # -- primitives -------------------------------------------------------------------
     def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> Collective:
-        axes = self.mesh.order(axes)
+        return self._collective(kind, nbytes, self.mesh.order(axes))
+
+    def _collective(self, kind: str, nbytes: float, axes: tuple[str, ...]) -> Collective:
+        """:meth:`collective` of ``axes`` already in the mesh's order."""
         key = (kind, float(nbytes), axes)
         t = self._coll.get(key)
         if t is None:
@@ -164,7 +173,8 @@ class CostContext:
         else:
             colls = self._reshard_step(shape, dtype, src, dst)
         # An axis of size 1 holds the whole tensor on every device: nothing moves over it.
-        colls = [c for c in colls if math.prod(self.mesh_dict.get(a, 1) for a in c.axes) > 1]
+        if self._unit_axes:
+            colls = [c for c in colls if math.prod(self.mesh_dict.get(a, 1) for a in c.axes) > 1]
         out = (sum((c.time_s for c in colls), 0.0), tuple(colls))
         self._reshard[key] = out
         return out
@@ -188,7 +198,11 @@ class CostContext:
         return tuple(steps)
 
     def _fits(self, shape: Sequence[int], spec: Sharding) -> bool:
-        return divides(shape, spec, self.mesh)
+        key = (tuple(shape), spec)
+        hit = self._divides.get(key)
+        if hit is None:
+            hit = self._divides[key] = divides(shape, spec, self.mesh)
+        return hit
 
     def _reshard_step(
         self, shape: Sequence[int], dtype: str, src: Sharding, dst: Sharding
@@ -199,8 +213,8 @@ class CostContext:
             swapped = _swapped_axes(src, dst)
             p2p_axes = self.mesh.order(set(reorder) | set(swapped)) if reorder or swapped else ()
             step = (
-                a2a,
-                gather,
+                self.mesh.order(a2a),
+                self.mesh.order(gather),
                 bool(reorder),
                 p2p_axes,
                 shards(src, self.mesh),
@@ -216,17 +230,17 @@ class CostContext:
             total = per_device * src_shards
         colls: list[Collective] = []
         if a2a:
-            colls.append(self.collective("all-to-all", per_device, a2a))
+            colls.append(self._collective("all-to-all", per_device, a2a))
         if p2p_axes:
             # Axes that keep their dim behind other outer axes, or trade places, change
             # the device order of the tiles: XLA sends each block to its new owner with a
             # collective-permute (measured: d0,e1 -> e0,d1 is an all-to-all plus a
             # permute; e+d,- -> d,- is a permute of the buffer plus a gather of e).
             nbytes = per_device if reorder else total / dst_shards
-            p2p = self.collective("p2p", nbytes, p2p_axes)
+            p2p = self._collective("p2p", nbytes, p2p_axes)
             colls.append(Collective("collective-permute", p2p.axes, p2p.nbytes, p2p.time_s))
         if gather:
-            colls.append(self.collective("all-gather", per_device * gather_size, gather))
+            colls.append(self._collective("all-gather", per_device * gather_size, gather))
         return colls
 
 
