@@ -25,8 +25,10 @@ CASES = [
     # An update gathered into a store kept whole over data (ZeRO-1/2's gather, at the
     # step's end): not a state split over the gather's axes -> "reshard".
     ((("data",), ()), ((), ()), VALUE, True, ["reshard"]),
-    # An update moved within a store split over data and tensor: state split -> FSDP.
+    # Adding tensor to a dim already split over data: a local slice, nothing moves.
     ((("data",), ()), (("data", "tensor"), ()), VALUE, True, []),
+    # An update whose two axes swap dims on its way into a store split over both: every
+    # piece moves split state -> FSDP (classes checked as a set below).
     ((("tensor",), ("data",)), (("data",), ("tensor",)), VALUE, True, None),
 ]
 
@@ -40,6 +42,6 @@ def test_reshard_classes_by_hand_and_under_renaming(have, need, source, into, cl
     )  # fmt: skip
     if classes is not None:
         assert [pc.cls for pc in plain] == classes
-    else:  # a swap of both axes between dims: every piece moves split state
+    else:
         assert plain and {pc.cls for pc in plain} == {"fsdp_gather"}
     assert [(pc.collective, pc.cls) for pc in plain] == [(pc.collective, pc.cls) for pc in named]
