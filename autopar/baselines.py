@@ -80,6 +80,12 @@ def _role_from_path(path: str, stateful: bool) -> str:
     return "model_state" if stateful else "batch"
 
 
+def _dtype_name(x: Any) -> str:
+    """The dtype name of a leaf as the tracer records it (Python scalars and typed PRNG
+    keys included)."""
+    return str(jax.typeof(x).dtype)
+
+
 def describe(graph_or_fn: Any, args: Sequence[Any] = ()) -> tuple[list[Leaf], list[Leaf], Any, Any]:
     """Input and output leaves (and the trees to bind) of a graph or of ``fn(*args)``.
 
@@ -117,15 +123,15 @@ def describe(graph_or_fn: Any, args: Sequence[Any] = ()) -> tuple[list[Leaf], li
     for j, (p, x) in enumerate(zip(out_paths, out_leaves, strict=True)):
         key = p.split("/", 2)[-1] if p.count("/") >= 2 else None
         if key is not None:
-            out_key.setdefault((key, tuple(x.shape), str(np.dtype(x.dtype))), j)
+            out_key.setdefault((key, tuple(x.shape), _dtype_name(x)), j)
     ins = []
     for p, h, x in zip(paths, heads, leaves, strict=True):
-        shape, dtype = tuple(np.shape(x)), str(np.dtype(x.dtype))
+        shape, dtype = tuple(np.shape(x)), _dtype_name(x)
         role = _role_from_path(p, h in stateful_args)
         key = p.split("/", 1)[-1]
         ins.append(Leaf(p, shape, dtype, role, out_key.get((key, shape, dtype))))
     outs = [
-        Leaf(p, tuple(x.shape), str(np.dtype(x.dtype)), "other")
+        Leaf(p, tuple(x.shape), _dtype_name(x), "other")
         for p, x in zip(out_paths, out_leaves, strict=True)
     ]
     return ins, outs, in_tree, out_tree

@@ -55,7 +55,11 @@ class SearchOptions:
         schedule: fix the pipeline schedule.
         virtual_stages: fix the stage chunks per device (interleaved 1F1B).
         remat: fix the rematerialisation policy.
-        zero_stage: fix the ZeRO stage (0-3) for the data axis.
+        zero_stage: fix the ZeRO stage (0-3) for the data axes: 0 keeps parameters and
+            optimizer state off them; 1 and 2 split the optimizer state over them (one
+            layout: the partitioner reduce-scatters the gradients such a state reads,
+            and plans report it as stage 1); 3 splits the parameters too. From stage 1
+            the batch is split over them; a tensor no split divides stays whole.
         solver_time_limit_s: CP-SAT time limit per solve.
         max_meshes: how many mesh factorisations the outer loop solves in full.
         coarsen: merge elementwise chains and tile repeated layers (turn off only to debug).

@@ -79,9 +79,11 @@ __all__ = [
     "StageCut",
     "buffer_slots",
     "cut_stages",
+    "key_impl_name",
     "make_schedule",
     "pipelined_gradients",
     "send_slots",
+    "slot_key",
     "slot_values",
     "stack_relayout",
 ]
@@ -266,7 +268,7 @@ class _Layout:
         need: Counter = Counter()
         order: list[tuple] = []
         for avals in groups:
-            c = Counter(_key(a) for a in avals)
+            c = Counter(slot_key(a) for a in avals)
             for key, n in c.items():
                 if key not in need:
                     order.append(key)
@@ -276,29 +278,73 @@ class _Layout:
         for j, key in enumerate(self.slots):
             first.setdefault(key, j)
         self.index: list[list[int]] = []
+        # Per group and value: the PRNG implementation of a typed key (sent as its raw
+        # data, wrapped again on arrival), else None.
+        self.impls: list[list[str | None]] = []
         for avals in groups:
             used: Counter = Counter()
             idx = []
             for a in avals:
-                key = _key(a)
+                key = slot_key(a)
                 idx.append(first[key] + used[key])
                 used[key] += 1
             self.index.append(idx)
+            self.impls.append([key_impl_name(a.dtype) for a in avals])
 
     def zeros(self, lead: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros(lead + shape, dtype) for shape, dtype in self.slots)
 
     def pack(self, group: int, values: Sequence[Any]) -> tuple[jax.Array, ...]:
         out = list(self.zeros())
-        for j, v in zip(self.index[group], values, strict=True):
+        for j, v, impl in zip(self.index[group], values, self.impls[group], strict=True):
+            if impl is not None:
+                v = jax.random.key_data(v)
             out[j] = jnp.asarray(v, self.slots[j][1]).reshape(self.slots[j][0])
         return tuple(out)
 
     def unpack(self, group: int, slots: Sequence[Any]) -> list[Any]:
-        return [slots[j] for j in self.index[group]]
+        return [
+            slots[j] if impl is None else jax.random.wrap_key_data(slots[j], impl=impl)
+            for j, impl in zip(self.index[group], self.impls[group], strict=True)
+        ]
 
 
-def _key(aval: Any) -> tuple:
+def _is_key(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+@functools.cache
+def key_impl_name(dtype: Any) -> str | None:
+    """The name of the PRNG implementation of a typed key dtype (``None`` for any
+    other dtype), among JAX's built-in ones.
+
+    Raises:
+        LowerPlanError: a key of an implementation registered outside JAX.
+
+    Example:
+        >>> key_impl_name(jax.random.key(0).dtype), key_impl_name(jnp.dtype("uint32"))
+        ('threefry2x32', None)
+    """
+    if not _is_key(dtype):
+        return None
+    for name in ("threefry2x32", "rbg", "unsafe_rbg"):
+        if jax.eval_shape(lambda name=name: jax.random.key(0, impl=name)).dtype == dtype:
+            return name
+    raise LowerPlanError(
+        f"a pipeline cannot send a PRNG key of dtype {dtype}: unknown implementation."
+    )
+
+
+def slot_key(aval: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """The (shape, dtype) a value takes in a pipeline's buffers: a typed PRNG key's is
+    its raw data's (``jax.random.key_data``).
+
+    Example:
+        >>> slot_key(jax.ShapeDtypeStruct((3,), jax.random.key(0).dtype))
+        ((3, 2), dtype('uint32'))
+    """
+    if _is_key(aval.dtype):
+        aval = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     return (tuple(aval.shape), np.dtype(aval.dtype))
 
 
@@ -832,7 +878,10 @@ def _pipeline_body(
     batch = set(cut.batch_inputs)
     f_layout, b_layout = _send_layouts(cut)
     s_layout = _stash_layout(cut)
-    out_avals = [cut.aval(v) for v in jaxpr.outvars]
+    # Outputs accumulate over the ticks; a typed PRNG key as its raw data (wrapped again
+    # after the ticks).
+    out_impls = [key_impl_name(cut.aval(v).dtype) for v in jaxpr.outvars]
+    out_avals = [jax.ShapeDtypeStruct(*slot_key(cut.aval(v))) for v in jaxpr.outvars]
 
     def branch_of(pc: Piece | None) -> Callable[..., Any]:
         def run(recv_f, recv_b, stash_in, fixed):
@@ -863,7 +912,8 @@ def _pipeline_body(
                 bsend = b_layout.pack(s - 1, [env[v] for v in pc.send])
             parts: dict[int, list[Any]] = defaultdict(list)
             for i, v in pc.outputs:
-                parts[i].append(jnp.asarray(env[v], out_avals[i].dtype))
+                x = env[v] if out_impls[i] is None else jax.random.key_data(env[v])
+                parts[i].append(jnp.asarray(x, out_avals[i].dtype))
             contrib = tuple(
                 functools.reduce(jnp.add, parts[i]).reshape(a.shape)
                 if parts.get(i)
@@ -961,7 +1011,11 @@ def _pipeline_body(
                 return relayout.from_chunks(a, axis)
             return a if i in cut.stacked_outputs else jax.lax.psum(a, axis)
 
-        return tuple(back(i, a) for i, a in enumerate(accs))
+        outs = [back(i, a) for i, a in enumerate(accs)]
+        return tuple(
+            a if impl is None else jax.random.wrap_key_data(a, impl=impl)
+            for a, impl in zip(outs, out_impls, strict=True)
+        )
 
     return body
 

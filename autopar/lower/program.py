@@ -31,6 +31,7 @@ from autopar.lower.pipeline import (
     buffer_slots,
     cut_stages,
     make_schedule,
+    slot_key,
     slot_values,
     stack_relayout,
 )
@@ -113,7 +114,11 @@ def pipeline_program(
         schedule = make_schedule(
             pp.schedule, plan.mesh[pipe_axis], pp.microbatches, pp.virtual_stages
         )
-        leaves = [jax.ShapeDtypeStruct(gi.tensor.shape, gi.tensor.dtype) for gi in graph.inputs]
+        # The traced avals themselves (a typed PRNG key's dtype has no name numpy reads).
+        leaves = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+            for a in graph.jaxpr.in_avals
+        ]
         args = jax.tree_util.tree_unflatten(graph.in_tree, leaves)[0]
         hook, into_bodies = _pins(plan, accumulation)
         cut = cut_stages(
@@ -337,10 +342,10 @@ def _relayout_sends(cut: Any, plan: Plan, schedule: Any, pipe_axis: str) -> tupl
 
     split_of = {}
     for i in cut.stacked_inputs:
-        split_of.setdefault(_key(invars[i].aval), share(i))
+        split_of.setdefault(slot_key(invars[i].aval), share(i))
     chunks = [
         _nbytes(cut.aval(invars[i])) / share(i) for i in cut.stacked_inputs
-    ] + [_nbytes(cut.aval(outvars[i])) / split_of.get(_key(outvars[i].aval), 1)
+    ] + [_nbytes(cut.aval(outvars[i])) / split_of.get(slot_key(outvars[i].aval), 1)
          for i in cut.stacked_outputs]  # fmt: skip
     return tuple(float(b) for _ in range(rounds) for b in chunks)
 
@@ -377,12 +382,9 @@ def _uneven_copy(cut: Any, plan: Plan, schedule: Any, pipe_axis: str) -> float:
     return float(total)
 
 
-def _key(aval: Any) -> tuple:
-    return (tuple(aval.shape), np.dtype(aval.dtype))
-
-
 def _nbytes(aval: Any) -> int:
-    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+    shape, dtype = slot_key(aval)
+    return math.prod(shape) * dtype.itemsize
 
 
 __all__ = ["PipelineProgram", "pipeline_program", "value_specs"]

@@ -18,7 +18,9 @@ step's result exact when every value G hands over is a **sum or a mean over the 
 * a reduction over the batch in the forward pass whose result feeds anything but linear
   work (batch-norm statistics, a loss divided by a count computed from the batch, a max
   over the batch) makes microbatching change the result: :class:`AccumulateError` names
-  the equation. So does an update that reads the batch itself.
+  the equation. So does an update that reads the batch itself, and random bits drawn
+  for every example from one key (dropout): a microbatch would draw other bits than its
+  slice of the whole batch's (per-example keys passed with the batch are split with it).
 
 Gradients accumulate in float32 whatever their dtype (summing ``m`` bf16 gradients in
 bf16 would lose the low bits the full-batch step keeps).
@@ -46,6 +48,7 @@ from jax.extend.core import DropVar
 from jax.extend.core import Literal as JaxLiteral
 
 from autopar.errors import AccumulateError
+from autopar.primitives import RANDOM_BITS
 from autopar.trace.evaluate import Hook, IntoBodies, read_var, run_equations
 from autopar.trace.graph import Graph
 
@@ -111,10 +114,12 @@ def microbatch_args(args: Sequence[Any], batch_inputs: Sequence[int], m: int) ->
     leaves, tree = jax.tree_util.tree_flatten(tuple(args))
     out = []
     for i, x in enumerate(leaves):
-        shape, dtype = tuple(np.shape(x)), x.dtype
+        # ``jax.typeof``: Python scalars (a ``TrainState``'s step) and typed PRNG keys too.
+        aval = jax.typeof(x)
+        shape = tuple(aval.shape)
         if i in batch_inputs:
             shape = (shape[0] // m, *shape[1:])
-        out.append(jax.ShapeDtypeStruct(shape, dtype))
+        out.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
     return tuple(jax.tree_util.tree_unflatten(tree, out))
 
 
@@ -171,6 +176,7 @@ def plan_accumulation(
         if src is not None and src[0] not in upd:
             handoff[src] = None
     _check_forward_reductions(full, micro, grads, depends)
+    _check_random_bits(full, micro, grads)
     counts = _batch_count_nodes(full, micro, grads, m)
     counted = _reads_a_count(full, counts)
     rules = tuple(_rule(full, micro, k, j, m, depends, counted) for k, j in handoff)
@@ -261,6 +267,37 @@ def _check_forward_reductions(
                 stack.extend(cn.outputs)
 
 
+def _check_random_bits(full: Graph, micro: Graph, eqns: Sequence[int]) -> None:
+    """Random bits drawn per example from one key (dropout with the step's key) cannot be
+    microbatched: each microbatch would draw its own bits from the same key, not its
+    slice of the whole batch's, so the masks (and the step) would change. Bits drawn
+    from per-example keys (a batch of keys, split with the batch) are fine."""
+
+    def walk(a: Graph, b: Graph, nodes: Sequence[int]) -> None:
+        for k in nodes:
+            n, mn = a.nodes[k], b.nodes[k]
+            if n.primitive in RANDOM_BITS:
+                same_key = all(
+                    x.shape == y.shape for x, y in zip(n.in_tensors, mn.in_tensors, strict=True)
+                )
+                if same_key and any(
+                    x.shape != y.shape for x, y in zip(n.out_tensors, mn.out_tensors, strict=True)
+                ):
+                    raise AccumulateError(
+                        f"{n.primitive} at {n.name_stack or 'top level'!r} draws random bits "
+                        "for every example from one key (dropout, noise): each microbatch "
+                        "would draw different bits than its slice of the whole batch's, so "
+                        "microbatching would change the step. Plan it without microbatches "
+                        "or pipeline stages, or draw the bits from per-example keys passed "
+                        "with the batch."
+                    )
+            for body, mbody in zip(n.body, mn.body, strict=False):
+                if len(body.nodes) == len(mbody.nodes):
+                    walk(body, mbody, range(len(body.nodes)))
+
+    walk(full, micro, eqns)
+
+
 def _literals(graph: Graph, k: int) -> list[float]:
     eqn = graph.jaxpr.jaxpr.eqns[k]
     out = []
@@ -316,6 +353,35 @@ def _rule(
     return "mean" if k in counted else "sum"
 
 
+def _once_outside(
+    acc: Accumulation, every: bool = False
+) -> tuple[frozenset[tuple[int, int]], tuple[int, ...]]:
+    """Values G hands the update that do not depend on the batch (rule ``once``), to be
+    computed once outside the microbatch loop from the whole step's equations, and those
+    equations of G, in order: the typed PRNG keys (a state's key split for the next step,
+    which no accumulator can hold), or with ``every`` all of them (a pipeline sums its
+    outputs over the microbatches: an integer's mean over them would pass through a
+    float, a raw ``uint32`` key's low bits lost)."""
+    jaxpr = acc.full.jaxpr.jaxpr
+    keys = frozenset(
+        (k, j)
+        for (k, j), rule in zip(acc.handoff, acc.rules, strict=True)
+        if rule == "once"
+        and (every or jnp.issubdtype(jaxpr.eqns[k].outvars[j].aval.dtype, jax.dtypes.prng_key))
+    )
+    needed: set[int] = set()
+    stack = [k for k, _ in keys]
+    while stack:
+        k = stack.pop()
+        if k in needed:
+            continue
+        needed.add(k)
+        stack.extend(
+            acc.full.producer[v] for v in acc.full.nodes[k].inputs if v in acc.full.producer
+        )
+    return keys, tuple(sorted(needed))
+
+
 def accumulated_function(
     acc: Accumulation, hook: Hook | None = None, into_bodies: IntoBodies = False
 ) -> Callable[..., list[Any]]:
@@ -325,6 +391,7 @@ def accumulated_function(
     m = acc.microbatches
     full_j, micro_j = acc.full.jaxpr, acc.micro.jaxpr
     batch = set(acc.batch_inputs)
+    keys, key_eqns = _once_outside(acc)
 
     def outvar(graph_jaxpr: Any, k: int, j: int) -> Any:
         return graph_jaxpr.jaxpr.eqns[k].outvars[j]
@@ -332,6 +399,9 @@ def accumulated_function(
     def run(*flat: Any) -> list[Any]:
         if hook is not None and hasattr(hook, "reset"):
             hook.reset()
+        outside = dict(zip(full_j.jaxpr.constvars, full_j.consts, strict=True))
+        outside.update(zip(full_j.jaxpr.invars, flat, strict=True))
+        run_equations(acc.full, outside, key_eqns)
         split = {i: flat[i].reshape((m, flat[i].shape[0] // m, *flat[i].shape[1:])) for i in batch}
 
         def body(carry: tuple, xs: tuple) -> tuple:
@@ -348,6 +418,8 @@ def accumulated_function(
                 v = read_var(env, outvar(micro_j, k, j))
                 if rule in ("mean", "sum"):
                     new.append(c + v.astype(c.dtype))
+                elif (k, j) in keys:
+                    new.append(c)  # computed outside the loop
                 elif rule == "once":
                     new.append(jnp.where(i == 0, v, c))
                 else:
@@ -359,7 +431,8 @@ def accumulated_function(
         for (k, j), rule in zip(acc.handoff, acc.rules, strict=True):
             t = acc.micro.nodes[k].out_tensors[j]
             dt = _accumulator_dtype(t.dtype) if rule in ("mean", "sum") else t.dtype
-            init.append(jnp.zeros(t.shape, dt) if rule != "concat" else jnp.zeros((), jnp.float32))
+            placeholder = rule == "concat" or (k, j) in keys
+            init.append(jnp.zeros((), jnp.float32) if placeholder else jnp.zeros(t.shape, dt))
         mbs = tuple(split[i] for i in sorted(batch))
         carry, ys = jax.lax.scan(body, tuple(init), (jnp.arange(m), mbs))
         if hook is not None and hasattr(hook, "reset"):
@@ -373,6 +446,8 @@ def accumulated_function(
                 val = (c / m).astype(t.dtype)
             elif rule == "sum":
                 val = c.astype(t.dtype)
+            elif (k, j) in keys:
+                val = read_var(outside, outvar(full_j, k, j))
             elif rule == "once":
                 val = c
             else:
@@ -508,6 +583,7 @@ def pipelined_function(
     pipe = pipelined_gradients(cut, schedule, acc.microbatches, mesh, virtual_stages)
     m = acc.microbatches
     full_j = acc.full.jaxpr
+    keys, key_eqns = _once_outside(acc, every=True)
 
     def run(*flat: Any) -> list[Any]:
         tree = acc.full.in_tree
@@ -515,9 +591,12 @@ def pipelined_function(
         sums = jax.tree_util.tree_leaves(pipe(*args_))
         env = dict(zip(full_j.jaxpr.constvars, full_j.consts, strict=True))
         env.update(zip(full_j.jaxpr.invars, flat, strict=True))
+        run_equations(acc.full, env, key_eqns)  # values taken once: outside the ticks
         for (k, j), rule, v in zip(acc.handoff, acc.rules, sums, strict=True):
+            if (k, j) in keys:
+                continue
             t = acc.full.nodes[k].out_tensors[j]
-            val = v / m if rule in ("mean", "once") else v
+            val = v / m if rule == "mean" else v
             var = full_j.jaxpr.eqns[k].outvars[j]
             if not isinstance(var, DropVar):
                 env[var] = val.astype(t.dtype)

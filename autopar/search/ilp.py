@@ -194,6 +194,7 @@ def build(
     fixed_inputs: Mapping[int, Sharding] | None = None,
     constraints: Mapping[tuple[Scope, int, int], Sharding] | None = None,
     input_axes: Mapping[int, Sequence[str]] | None = None,
+    required_axes: Mapping[int, Sequence[str]] | None = None,
     tie_optimizer_state: bool = True,
     coarsen_groups: bool = True,
     memory_limit: float | None = None,
@@ -211,6 +212,8 @@ def build(
         fixed_inputs: graph input index -> the only sharding it may take.
         constraints: ``(scope, node id, output)`` -> pinned sharding of that value.
         input_axes: graph input index -> the axes its sharding may use.
+        required_axes: graph input index -> axes its sharding must use where it can
+            (:class:`~autopar.search.build.catalog.StrategyCatalog`).
         tie_optimizer_state: a parameter and its optimizer state take one sharding.
         coarsen_groups: merge followers into groups and tie identical layers.
         memory_limit: bytes per device for the problem's constraints.
@@ -231,7 +234,9 @@ def build(
     # cyclic GC would rescan them over and over (a third of the build time at 96
     # layers). They hold no cycles that need collecting mid-build.
     with gc_paused():
-        catalog = StrategyCatalog(ctx, fixed_inputs=fixed_inputs, input_axes=input_axes)
+        catalog = StrategyCatalog(
+            ctx, fixed_inputs=fixed_inputs, input_axes=input_axes, required_axes=required_axes
+        )
         flat = flatten(graph, constraints, repeat)
         coarse = coarsen(
             flat,

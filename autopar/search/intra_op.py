@@ -68,17 +68,42 @@ class MeshResult:
 
 def _input_axes(
     graph: Graph, mesh: Mapping[str, int], options: SearchOptions
-) -> dict[int, list[str]]:
-    """Axes each input may use when ``options.zero_stage`` is fixed."""
-    if options.zero_stage is None or options.zero_stage == 3:
-        return {}
-    data = [a for a in mesh if a in BATCH_AXES]
-    other = [a for a in mesh if a not in data]
-    out: dict[int, list[str]] = {}
+) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+    """``(may use, must use)``: per input, the axes its layout may use and those it must
+    use where it can, when ``options.zero_stage`` is fixed. Stage 0 keeps parameters and
+    optimizer state off the data-parallel axes; 1 and 2 split the optimizer state over
+    them and keep parameters off; 3 splits both. From stage 1 the batch is split over
+    them too (ZeRO partitions the state of data-parallel replicas).
+
+    Example:
+        >>> allowed, required = _input_axes(graph, {"data": 4, "tensor": 2}, SearchOptions(zero_stage=1))
+        >>> roles = {gi.index: gi.role for gi in graph.inputs}
+        >>> sorted({roles[i]: a for i, a in allowed.items()}.items())
+        [('param', ['tensor'])]
+        >>> sorted({roles[i]: a for i, a in required.items()}.items())
+        [('batch', ['data']), ('opt_state', ['data'])]
+    """
+    stage = options.zero_stage
+    if stage is None:
+        return {}, {}
+    other = [a for a in mesh if a not in BATCH_AXES]
+    data = [a for a in mesh if a in BATCH_AXES and mesh[a] > 1]
+    allowed: dict[int, list[str]] = {}
+    required: dict[int, list[str]] = {}
     for gi in graph.inputs:
-        if gi.role == "param" or (gi.role == "opt_state" and options.zero_stage == 0):
-            out[gi.index] = other
-    return out
+        if gi.role == "param":
+            if stage == 3:
+                required[gi.index] = data
+            else:
+                allowed[gi.index] = other
+        elif gi.role == "opt_state":
+            if stage == 0:
+                allowed[gi.index] = other
+            else:
+                required[gi.index] = data
+        elif gi.role == "batch" and stage > 0:
+            required[gi.index] = data
+    return allowed, {i: a for i, a in required.items() if a}
 
 
 def build_problem(
@@ -97,19 +122,23 @@ def build_problem(
     resident batch in memory (:func:`autopar.search.ilp.with_accumulators`)."""
     ctx = CostContext(cluster, mesh)
     if accumulation is None:
+        allowed, required = _input_axes(graph, mesh, options)
         return build(
             graph,
             ctx,
-            input_axes=_input_axes(graph, mesh, options),
+            input_axes=allowed,
+            required_axes=required,
             tie_optimizer_state=options.zero_stage not in (1, 2),
             coarsen_groups=options.coarsen,
             memory_limit=memory_limit,
         )
     micro = accumulation.micro
+    allowed, required = _input_axes(micro, mesh, options)
     bp = build(
         micro,
         ctx,
-        input_axes=_input_axes(micro, mesh, options),
+        input_axes=allowed,
+        required_axes=required,
         tie_optimizer_state=options.zero_stage not in (1, 2),
         coarsen_groups=options.coarsen,
         memory_limit=memory_limit,

@@ -72,6 +72,24 @@ def test_batch_heavy_mlp_without_zero_replicates_weights(mlp_batch_heavy):
     assert grads[0].bytes == pytest.approx(2 * 256 * 256 * 4)  # both fp32 gradients
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_fixed_zero_stage_splits_what_that_stage_splits(stage):
+    # A 64-wide MLP on a batch of 64: left free, the planner replicates everything (the
+    # gradient all-reduce costs more than the compute it saves), so a fixed stage must
+    # come from the option. ZeRO-1/2 split the optimizer state over data, ZeRO-3 the
+    # parameters too, and the batch is split over data from stage 1.
+    step, args = mlp(batch=64, d=64, h=64)
+    plan = plan_graph(trace(step, *args), FOUR, SearchOptions(mesh={"data": 4}, zero_stage=stage))
+    by_role: dict[str, list] = {}
+    for t in plan.inputs:
+        if t.shape:  # Adam's step count is a scalar: nothing to split
+            by_role.setdefault(t.role, []).append("data" in [a for e in t.spec for a in _axes(e)])
+    assert all(by_role["opt_state"]) and len(by_role["opt_state"]) == 4
+    assert all(by_role["batch"]) and len(by_role["batch"]) == 2
+    assert by_role["param"] == [stage == 3] * 2
+    assert plan.zero_stage == (3 if stage == 3 else 1)
+
+
 def test_hidden_heavy_mlp_is_megatron(mlp_hidden_heavy):
     plan = plan_graph(mlp_hidden_heavy, FOUR)
     w1, w2 = plan.input("params/w1").spec, plan.input("params/w2").spec

@@ -53,6 +53,9 @@ class StrategyCatalog:
         ctx: prices on the mesh.
         fixed_inputs: graph input index -> the only sharding it may take.
         input_axes: graph input index -> the axes its sharding may use.
+        required_axes: graph input index -> axes its sharding must use, when a sharding
+            it may take can (a fixed ZeRO stage: optimizer state split over the
+            data-parallel axes; a tensor no split divides keeps its other choices).
     """
 
     def __init__(
@@ -61,10 +64,12 @@ class StrategyCatalog:
         *,
         fixed_inputs: Mapping[int, Sharding] | None = None,
         input_axes: Mapping[int, Sequence[str]] | None = None,
+        required_axes: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.fixed_inputs = dict(fixed_inputs or {})
         self.input_axes = dict(input_axes or {})
+        self.required_axes = {i: frozenset(a) for i, a in (required_axes or {}).items() if a}
         self._keys: dict[int, tuple] = {}
         self._enum: dict[tuple, list[OpStrategy]] = {}
         self._follow: dict[tuple, OpStrategy] = {}
@@ -90,6 +95,10 @@ class StrategyCatalog:
                 hit = enumerate_shardings(
                     gi.tensor.shape, self.ctx.mesh, self.input_axes.get(gi.index), dims
                 )
+                need = self.required_axes.get(gi.index)
+                if need:
+                    using = [s for s in hit if need <= {a for dim in s for a in dim}]
+                    hit = using or hit
             self._specs[ck] = hit
         return hit
 
