@@ -63,6 +63,21 @@ def test_infeasible_and_smallest_footprint(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_smallest_footprint_across_two_moments(backend):
+    # a's strategies trade moment 1 (10 B or 0) against moment 2 (0 or 8); b holds 5 B at
+    # moment 2 either way. Each node's own fewest bytes (a: 8 < 10) gives peaks (0, 13):
+    # 13. The other choice for a gives (10, 5): 10, the smallest footprint. So the
+    # solve must look past the greedy start that proves the one-moment case at once.
+    mem = (
+        MemoryConstraint("m1", 0.0, ((0, (10.0, 0.0)), (1, (0.0, 0.0)))),
+        MemoryConstraint("m2", 0.0, ((0, (0.0, 8.0)), (1, (5.0, 5.0)))),
+    )
+    low = solve(_chain(mem, 1.0), backend=backend, minimize="memory")
+    assert low.choice[0] == 0
+    assert low.memory_bytes == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_alias_forces_equal_choice(backend):
     # Alone: a picks 0 (1 s), b picks 1 (1 s). Aliased: (0,0)=4 beats (1,1)=6.
     nodes = (ProblemNode("param", (1.0, 5.0)), ProblemNode("state", (3.0, 1.0)))
