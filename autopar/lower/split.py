@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import networkx as nx
 import numpy as np
 from jax.extend.core import DropVar
 from jax.extend.core import Literal as JaxLiteral
@@ -370,15 +371,8 @@ def _once_outside(
         and (every or jnp.issubdtype(jaxpr.eqns[k].outvars[j].aval.dtype, jax.dtypes.prng_key))
     )
     needed: set[int] = set()
-    stack = [k for k, _ in keys]
-    while stack:
-        k = stack.pop()
-        if k in needed:
-            continue
-        needed.add(k)
-        stack.extend(
-            acc.full.producer[v] for v in acc.full.nodes[k].inputs if v in acc.full.producer
-        )
+    for k, _ in keys:
+        needed |= {k} | nx.ancestors(acc.full.dag, k)
     return keys, tuple(sorted(needed))
 
 
