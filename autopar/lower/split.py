@@ -364,16 +364,16 @@ def _once_outside(
     outputs over the microbatches: an integer's mean over them would pass through a
     float, a raw ``uint32`` key's low bits lost)."""
     jaxpr = acc.full.jaxpr.jaxpr
-    keys = frozenset(
+    once = frozenset(
         (k, j)
         for (k, j), rule in zip(acc.handoff, acc.rules, strict=True)
         if rule == "once"
         and (every or jnp.issubdtype(jaxpr.eqns[k].outvars[j].aval.dtype, jax.dtypes.prng_key))
     )
     needed: set[int] = set()
-    for k, _ in keys:
+    for k, _ in once:
         needed |= {k} | nx.ancestors(acc.full.dag, k)
-    return keys, tuple(sorted(needed))
+    return once, tuple(sorted(needed))
 
 
 def accumulated_function(
@@ -385,7 +385,7 @@ def accumulated_function(
     m = acc.microbatches
     full_j, micro_j = acc.full.jaxpr, acc.micro.jaxpr
     batch = set(acc.batch_inputs)
-    keys, key_eqns = _once_outside(acc)
+    outside_once, once_eqns = _once_outside(acc)
 
     def outvar(graph_jaxpr: Any, k: int, j: int) -> Any:
         return graph_jaxpr.jaxpr.eqns[k].outvars[j]
@@ -395,7 +395,7 @@ def accumulated_function(
             hook.reset()
         outside = dict(zip(full_j.jaxpr.constvars, full_j.consts, strict=True))
         outside.update(zip(full_j.jaxpr.invars, flat, strict=True))
-        run_equations(acc.full, outside, key_eqns)
+        run_equations(acc.full, outside, once_eqns)
         split = {i: flat[i].reshape((m, flat[i].shape[0] // m, *flat[i].shape[1:])) for i in batch}
 
         def body(carry: tuple, xs: tuple) -> tuple:
@@ -412,7 +412,7 @@ def accumulated_function(
                 v = read_var(env, outvar(micro_j, k, j))
                 if rule in ("mean", "sum"):
                     new.append(c + v.astype(c.dtype))
-                elif (k, j) in keys:
+                elif (k, j) in outside_once:
                     new.append(c)  # computed outside the loop
                 elif rule == "once":
                     new.append(jnp.where(i == 0, v, c))
@@ -425,7 +425,7 @@ def accumulated_function(
         for (k, j), rule in zip(acc.handoff, acc.rules, strict=True):
             t = acc.micro.nodes[k].out_tensors[j]
             dt = _accumulator_dtype(t.dtype) if rule in ("mean", "sum") else t.dtype
-            placeholder = rule == "concat" or (k, j) in keys
+            placeholder = rule == "concat" or (k, j) in outside_once
             init.append(jnp.zeros((), jnp.float32) if placeholder else jnp.zeros(t.shape, dt))
         mbs = tuple(split[i] for i in sorted(batch))
         carry, ys = jax.lax.scan(body, tuple(init), (jnp.arange(m), mbs))
@@ -440,7 +440,7 @@ def accumulated_function(
                 val = (c / m).astype(t.dtype)
             elif rule == "sum":
                 val = c.astype(t.dtype)
-            elif (k, j) in keys:
+            elif (k, j) in outside_once:
                 val = read_var(outside, outvar(full_j, k, j))
             elif rule == "once":
                 val = c
@@ -577,7 +577,7 @@ def pipelined_function(
     pipe = pipelined_gradients(cut, schedule, acc.microbatches, mesh, virtual_stages)
     m = acc.microbatches
     full_j = acc.full.jaxpr
-    keys, key_eqns = _once_outside(acc, every=True)
+    outside_once, once_eqns = _once_outside(acc, every=True)
 
     def run(*flat: Any) -> list[Any]:
         tree = acc.full.in_tree
@@ -585,9 +585,9 @@ def pipelined_function(
         sums = jax.tree_util.tree_leaves(pipe(*args_))
         env = dict(zip(full_j.jaxpr.constvars, full_j.consts, strict=True))
         env.update(zip(full_j.jaxpr.invars, flat, strict=True))
-        run_equations(acc.full, env, key_eqns)  # values taken once: outside the ticks
+        run_equations(acc.full, env, once_eqns)  # values taken once: outside the ticks
         for (k, j), rule, v in zip(acc.handoff, acc.rules, sums, strict=True):
-            if (k, j) in keys:
+            if (k, j) in outside_once:
                 continue
             t = acc.full.nodes[k].out_tensors[j]
             val = v / m if rule == "mean" else v

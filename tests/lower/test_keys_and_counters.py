@@ -123,7 +123,6 @@ def test_dropout_drawn_from_per_example_keys_is_microbatched_exactly():
 def test_microbatch_args_keep_python_scalars_and_typed_keys():
     state = {"step": 0, "key": jax.random.key(3), "lr": 0.5}
     batch = jnp.zeros((8, 3))
-    # Leaves in key order: batch, then the state's key, lr, step.
     (b, s) = microbatch_args((batch, state), batch_inputs=[0], m=4)
     assert (b.shape, str(b.dtype)) == ((2, 3), "float32")
     assert (s["step"].shape, str(s["step"].dtype), s["step"].weak_type) == ((), "int32", True)
