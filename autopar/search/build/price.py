@@ -257,45 +257,71 @@ class _Pricer:
             if p > 0
         ]
         memo: list[dict] = [{} for _ in ops]  # per follower: main layout -> (strategy, cost)
+        # Followers see the leader only through its output layouts: leader strategies
+        # with equal outputs (differing in what they read, or how they reduce) share the
+        # followers' strategies, costs and internal reads, priced once (``chains``).
+        chains: dict[tuple, tuple] = {}
         strategies, costs, computes, charges_all = [], [], [], []
         for lead in self._leader_strategies(leader):
-            strats: list[OpStrategy] = [lead]
-            lead_cost, charges = self._strategy_cost(leader, lead)
-            cost = leader.weight * lead_cost
-            compute = leader.weight * lead.compute_s
-            for pos in range(1, len(ops)):
-                k, ppos, ref = mains[pos]
-                spec = strats[ppos].outs[ref.port]
-                hit = memo[pos].get(spec)
-                if hit is None:
-                    op = ops[pos]
-                    st = self.catalog.follow(op, k, pad(spec, ref.delta))
-                    op_cost, op_charges = self._strategy_cost(op, st)
-                    hit = memo[pos][spec] = (
-                        st,
-                        op.weight * op_cost,
-                        op.weight * st.compute_s,
-                        op_charges,
-                    )
-                strats.append(hit[0])
-                cost += hit[1]
-                compute += hit[2]
-                charges += hit[3]
-            # Reads inside the group: free when layouts agree, else a reshard.
-            for pos, reads in enumerate(internal):
-                st = strats[pos]
-                for k, ppos, port, delta, w in reads:
-                    need = st.ins[k] if k < len(st.ins) else None
-                    if need is None:
-                        continue
-                    have = pad(strats[ppos].outs[port], delta)
-                    if have != need:
-                        cost += w * self._reshard_s(ops[pos], k, have, need, leader, False)
-            strategies.append(tuple(strats))
+            lead_cost, lead_charges = self._strategy_cost(leader, lead)
+            chain = chains.get(lead.outs)
+            if chain is None:
+                chain = chains[lead.outs] = self._follow_chain(ops, lead, mains, memo, internal)
+            rest, rest_cost, rest_compute, rest_charges = chain
+            strats = (lead, *rest)
+            cost = leader.weight * lead_cost + rest_cost
+            # The leader's own reads inside the group (of a value made later in a loop).
+            for k, ppos, port, delta, w in internal[0]:
+                need = lead.ins[k] if k < len(lead.ins) else None
+                if need is None:
+                    continue
+                have = pad(strats[ppos].outs[port], delta)
+                if have != need:
+                    cost += w * self._reshard_s(leader, k, have, need, leader, False)
+            strategies.append(strats)
             costs.append(cost)
-            computes.append(compute)
-            charges_all.append(tuple(dict.fromkeys(charges)))
+            computes.append(leader.weight * lead.compute_s + rest_compute)
+            charges_all.append(tuple(dict.fromkeys((*lead_charges, *rest_charges))))
         return tuple(strategies), tuple(costs), tuple(computes), tuple(charges_all)
+
+    def _follow_chain(
+        self, ops: list[Op], lead: OpStrategy, mains: list, memo: list[dict],
+        internal: list[list[tuple]],
+    ) -> tuple[tuple[OpStrategy, ...], float, float, tuple]:  # fmt: skip
+        """The followers' strategies given the leader's ``lead``, their summed cost and
+        compute (reads inside the group by followers included) and their reductions."""
+        strats: list[OpStrategy] = [lead]
+        cost = compute = 0.0
+        charges: list = []
+        for pos in range(1, len(ops)):
+            k, ppos, ref = mains[pos]
+            spec = strats[ppos].outs[ref.port]
+            hit = memo[pos].get(spec)
+            if hit is None:
+                op = ops[pos]
+                st = self.catalog.follow(op, k, pad(spec, ref.delta))
+                op_cost, op_charges = self._strategy_cost(op, st)
+                hit = memo[pos][spec] = (
+                    st,
+                    op.weight * op_cost,
+                    op.weight * st.compute_s,
+                    op_charges,
+                )
+            strats.append(hit[0])
+            cost += hit[1]
+            compute += hit[2]
+            charges += hit[3]
+        # Reads inside the group: free when layouts agree, else a reshard.
+        for pos in range(1, len(ops)):
+            st = strats[pos]
+            for k, ppos, port, delta, w in internal[pos]:
+                need = st.ins[k] if k < len(st.ins) else None
+                if need is None:
+                    continue
+                have = pad(strats[ppos].outs[port], delta)
+                if have != need:
+                    cost += w * self._reshard_s(ops[pos], k, have, need, ops[0], False)
+        return tuple(strats[1:]), cost, compute, tuple(charges)
 
     # -- edges --------------------------------------------------------------------------
     def _classes(self, key: tuple, layouts) -> tuple[tuple[int, ...], tuple]:
