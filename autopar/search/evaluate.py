@@ -336,13 +336,19 @@ def _resharded_operands(
                     if op.node.out_tensors[port].ndim
                 )
             # And the value where it is made: a consumer's constraint alone propagates
-            # back into an unpinned producer, moving the reshard elsewhere.
+            # back into an unpinned producer, moving the reshard elsewhere. Not when the
+            # producer's layout follows a loop body's input (its group leader): the
+            # lowering cannot pin what enters a loop, so XLA may bring it in another
+            # layout, and a pin on the producer would reshard it on every iteration.
             src = bp.ops[ref.op]
+            lead = bp.ops[bp.groups[bp.op_group[ref.op][0]].ops[0]]
             if (
                 have != need
                 and src.kind == "node"
                 and src.node.id >= 0
                 and src.scope == op.scope
+                and lead.scope == op.scope
+                and lead.kind != "body_input"
                 and (ref.op, ref.port) not in sources
                 and not ref.delta
             ):
