@@ -275,7 +275,7 @@ def shardings(
     return jax.tree.map(
         lambda r: jax.ShapeDtypeStruct(
             tuple(r.shape),
-            np.dtype(r.dtype),
+            _dtype(r.dtype),
             sharding=NamedSharding(mesh, to_partition_spec(r.spec)),
         ),
         tree,
@@ -316,6 +316,23 @@ def _target(
     if like is not None:
         return jax.tree.map(one, target, like, is_leaf=is_sharding)
     return jax.tree.map(one, target, is_leaf=is_sharding)
+
+
+def _dtype(name: str) -> Any:
+    """The dtype a plan record names: numpy's (``bfloat16`` included), or a typed PRNG
+    key's (``key<fry>``) among JAX's built-in implementations."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        pass
+    for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+        dtype = jax.eval_shape(lambda impl=impl: jax.random.key(0, impl=impl)).dtype
+        if str(dtype) == name:
+            return dtype
+    raise RestoreCheckpointError(
+        f"the plan names dtype {name!r}, which is neither numpy's nor a JAX PRNG key's: "
+        "restore into a pytree of jax.ShapeDtypeStruct instead of the plan."
+    )
 
 
 def restore(

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend.core import Var
 
 from autopar.errors import LowerPlanError
@@ -39,6 +38,7 @@ from autopar.lower.split import AccumulateError, gradient_graph
 from autopar.lower.stage_remat import remat_stages
 from autopar.plan import Plan
 from autopar.trace.graph import Graph
+from autopar.trace.tensor import itemsize
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def pipeline_program(
             break
 
     def per_device(shape: tuple[int, ...], dtype: Any) -> float:
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * itemsize(dtype)
         for d in range(min(2, len(shape))):
             if split > 1 and shape[d] == rows:
                 return float(nbytes // shape[d] * math.ceil(shape[d] / split))
@@ -315,7 +315,7 @@ def _axes(entry: Any) -> tuple[str, ...]:
 def _split_bytes(shape: tuple[int, ...], dtype: Any, spec: tuple, sizes: dict[str, int]) -> int:
     """Bytes of the largest shard of a ``shape`` array laid out as ``spec`` (axes not in
     ``sizes``, such as ``pipe``, do not split it)."""
-    n = np.dtype(dtype).itemsize
+    n = itemsize(dtype)
     for d, size in enumerate(shape):
         e = spec[d] if d < len(spec) else None
         axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))

@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Var, new_jaxpr_eqn
 from jax.extend.core import Literal as JaxLiteral
 
 from autopar.errors import LowerPlanError
+from autopar.trace.tensor import itemsize
 
 _SPLIT = -1  # position marker of a split (per-stage) scan equation
 _LAYOUT_ONLY = ("sharding_constraint",)  # equations that only pin their operand's layout
@@ -627,4 +627,4 @@ def _piece_name(q: int, p: int) -> str:
 
 
 def _nbytes(aval: Any) -> int:
-    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    return int(math.prod(aval.shape)) * itemsize(aval.dtype)

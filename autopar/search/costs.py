@@ -13,12 +13,9 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from autopar.errors import InvalidOptionError
 from autopar.search.sharding import (
@@ -31,19 +28,9 @@ from autopar.search.sharding import (
     reshard_moves,
     shards,
 )
+from autopar.trace.tensor import itemsize
 
 ComputeKind = str  # "matmul" | "elementwise" | "reduction" | "other"
-
-
-@functools.cache
-def itemsize(dtype: str) -> int:
-    """Bytes per element of ``dtype`` (memoised: the search asks it per reshard)."""
-    if dtype in ("bool", "float0"):
-        return 1
-    try:
-        return int(np.dtype(dtype).itemsize)
-    except TypeError:
-        return 4  # PRNG key types and other extended dtypes: treat as 32-bit words
 
 
 class CostContext:

@@ -39,8 +39,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
 from autopar.errors import AutoparError
 from autopar.sweep.suite import Point, Suite
 
@@ -159,7 +157,7 @@ class PointContext:
         """Parameters, their gradients and the optimizer state, whole (unsplit)."""
         total = 0.0
         for gi in self.graph.inputs:
-            nbytes = math.prod(gi.tensor.shape) * np.dtype(gi.tensor.dtype).itemsize
+            nbytes = gi.tensor.nbytes
             if gi.role == "param":
                 total += 2 * nbytes  # the parameter and its gradient
             elif gi.role == "opt_state":

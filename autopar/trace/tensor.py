@@ -12,9 +12,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TensorInfo"]
+__all__ = ["TensorInfo", "itemsize"]
 
 _ITEMSIZE: dict[str, int] = {"bool": 1, "float0": 1}
+# Typed PRNG keys hold their implementation's words of uint32: threefry 2, rbg 4.
+_KEY_WORDS = {"key<fry>": 2, "key<rbg>": 4, "key<urbg>": 4}
+
+
+def itemsize(dtype: object) -> int:
+    """Bytes per element of ``dtype`` (a name, a numpy dtype or a JAX one), typed PRNG
+    keys included (their key data: two uint32 words for threefry).
+
+    Example:
+        >>> import jax
+        >>> itemsize("bfloat16"), itemsize(jax.numpy.bfloat16), itemsize(jax.random.key(0).dtype)
+        (2, 2, 8)
+    """
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name  # numpy's, and ml_dtypes' (bfloat16, float8_*)
+        except TypeError:
+            name = str(dtype)  # JAX extended dtypes: "key<fry>"
+    size = _ITEMSIZE.get(name)
+    if size is None:
+        size = _ITEMSIZE[name] = _itemsize(name)
+    return size
 
 
 def _itemsize(dtype: str) -> int:
@@ -27,9 +51,9 @@ def _itemsize(dtype: str) -> int:
 
         return np.dtype(dtype).itemsize
     except (ImportError, TypeError):
-        # JAX extended dtypes: typed PRNG keys ("key<fry>") hold two uint32 words;
-        # tokens and other opaque values hold no data worth counting.
-        return 8 if dtype.startswith("key<") else 0
+        # Other extended dtypes (a key of an implementation outside JAX's, tokens):
+        # a key as one threefry key; opaque values hold no data worth counting.
+        return 4 * _KEY_WORDS.get(dtype, 2) if dtype.startswith("key<") else 0
 
 
 @dataclass(frozen=True)
@@ -50,10 +74,7 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        size = _ITEMSIZE.get(self.dtype)
-        if size is None:
-            size = _ITEMSIZE[self.dtype] = _itemsize(self.dtype)
-        return size
+        return itemsize(self.dtype)
 
     @functools.cached_property
     def nbytes(self) -> int:

@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 
 from autopar.lower.remat import GUARD_SCOPE
 from autopar.plan import Plan
+from autopar.trace.tensor import itemsize
 from autopar.verify.hlo import (
     KINDS,
     HloCollective,
@@ -264,7 +264,7 @@ def state_bytes_per_device(plan: Plan) -> float:
     for rec in plan.inputs:
         if rec.role not in ("param", "opt_state", "model_state"):
             continue
-        size = math.prod(rec.shape) * np.dtype(rec.dtype).itemsize
+        size = math.prod(rec.shape) * itemsize(rec.dtype)
         split = 1
         for entry in rec.spec:
             for axis in (entry,) if isinstance(entry, str) else (entry or ()):
