@@ -19,9 +19,11 @@ _ITEMSIZE: dict[str, int] = {"bool": 1, "float0": 1}
 _KEY_WORDS = {"key<fry>": 2, "key<rbg>": 4, "key<urbg>": 4}
 
 
+@functools.cache
 def itemsize(dtype: object) -> int:
     """Bytes per element of ``dtype`` (a name, a numpy dtype or a JAX one), typed PRNG
-    keys included (their key data: two uint32 words for threefry).
+    keys included (their key data: two uint32 words for threefry). Memoised: the search
+    asks it for every reshard it prices.
 
     Example:
         >>> import jax
@@ -35,10 +37,7 @@ def itemsize(dtype: object) -> int:
             name = np.dtype(dtype).name  # numpy's, and ml_dtypes' (bfloat16, float8_*)
         except TypeError:
             name = str(dtype)  # JAX extended dtypes: "key<fry>"
-    size = _ITEMSIZE.get(name)
-    if size is None:
-        size = _ITEMSIZE[name] = _itemsize(name)
-    return size
+    return _ITEMSIZE.get(name) or _itemsize(name)
 
 
 def _itemsize(dtype: str) -> int:
