@@ -24,6 +24,7 @@ from autopar.errors import (
     InvalidOptionError,
     LoadPlanError,
     MatchSignatureError,
+    ReplicatedControlFlowWarning,
     UnknownPresetError,
     UnknownPrimitiveWarning,
 )
@@ -848,16 +849,23 @@ def _dynamic_signature(
 
 
 def warn_unknown_primitives(graph: Graph) -> None:
-    """Warn (:class:`UnknownPrimitiveWarning`) naming the primitives of ``graph`` (loop
-    bodies included) that autopar has no sharding rule for: the search replicates them."""
+    """Warn about what the search can only replicate: primitives of ``graph`` (loop
+    bodies included) autopar has no sharding rule for (:class:`UnknownPrimitiveWarning`),
+    and branches or loops over arrays (``cond``, ``while``:
+    :class:`ReplicatedControlFlowWarning`; ``scan`` is sharded)."""
     from autopar.primitives import KNOWN
 
     counts: dict[str, int] = {}
+    control: dict[str, int] = {}
 
     def walk(g: Graph) -> None:
         for node in g.nodes:
             if node.primitive not in KNOWN:
                 counts[node.primitive] = counts.get(node.primitive, 0) + 1
+            elif node.primitive in _REPLICATED_CONTROL_FLOW and any(
+                t.size > 1 for t in node.in_tensors
+            ):
+                control[node.primitive] = control.get(node.primitive, 0) + 1
             for body in node.body:
                 walk(body)
 
@@ -872,6 +880,23 @@ def warn_unknown_primitives(graph: Graph) -> None:
             UnknownPrimitiveWarning,
             stacklevel=3,
         )
+    if control:
+        names = ", ".join(f"{p} (x{n})" for p, n in sorted(control.items()))
+        warnings.warn(
+            f"the step branches or loops over arrays ({names}): autopar cannot shard "
+            "lax.cond / lax.switch / lax.while_loop yet, so their array operands and results "
+            "are whole on every device (the plan gathers them first; a cond over the "
+            "optimizer state, as optax.MultiSteps or a loss-scale skip makes, rules out "
+            "ZeRO). The values are unchanged. For an elementwise choice use jnp.where; for "
+            "a loop with a known trip count, lax.scan or lax.fori_loop with static bounds; "
+            "to accumulate gradients, SearchOptions(microbatches=k) instead of "
+            "optax.MultiSteps.",
+            ReplicatedControlFlowWarning,
+            stacklevel=3,
+        )
+
+
+_REPLICATED_CONTROL_FLOW = frozenset({"cond", "while"})
 
 
 def check_plan_matches(p: Plan, graph: Graph) -> None:

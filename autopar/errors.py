@@ -94,6 +94,12 @@ class UnknownPrimitiveWarning(AutoparWarning):
     (every device computes them on whole tensors) and count 0 FLOPs in the cost model."""
 
 
+class ReplicatedControlFlowWarning(AutoparWarning):
+    """The step branches or loops over arrays with ``lax.cond`` / ``lax.switch`` /
+    ``lax.while_loop``: autopar has no sharding rule for them yet, so their array operands
+    and results are whole on every device (gathered before, computed replicated)."""
+
+
 class SolverTimeLimitWarning(AutoparWarning):
     """The sharding solver ran out of time (``SearchOptions.solver_time_limit_s``) before it
     proved its plan optimal; the best plan found so far is used."""

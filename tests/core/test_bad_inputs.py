@@ -23,6 +23,7 @@ from autopar.errors import (
     InvalidOptionError,
     LoadPlanError,
     LowerPlanError,
+    ReplicatedControlFlowWarning,
     SolverTimeLimitWarning,
     TraceFunctionError,
     UnknownPresetError,
@@ -143,6 +144,33 @@ def test_known_primitives_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnknownPrimitiveWarning)
         _decorate(step)(W, X)
+
+
+def test_a_branch_over_arrays_warns_that_it_runs_replicated():
+    """``lax.cond`` on activations (and a loop over them) has no sharding rule: the
+    warning names it; the values stay those of ``jax.jit``. A cond on scalars alone (a
+    learning-rate switch) is whole anyway and does not warn."""
+
+    def branchy(w, x, flag):
+        h = jax.lax.cond(flag, lambda h: h * 1.5, lambda h: h, x)
+        return step(w, h)
+
+    f = _decorate(branchy)
+    flag = jnp.bool_(True)
+    with pytest.warns(ReplicatedControlFlowWarning, match=r"\(cond \(x1\)\).*jnp.where"):
+        new_w, loss = f(W, X, flag)
+    want_w, want_loss = jax.jit(branchy)(W, X, flag)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(new_w), np.asarray(want_w), rtol=1e-5, atol=1e-6)
+
+    def scalar_switch(w, x, flag):
+        new_w, loss = step(w, x)
+        lr = jax.lax.cond(flag, lambda: 1.0, lambda: 0.5)
+        return w + lr * (new_w - w), loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedControlFlowWarning)
+        _decorate(scalar_switch)(W, X, flag)
 
 
 # ------------------------------------------------------------------ memory and clusters
