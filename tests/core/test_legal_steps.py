@@ -11,13 +11,15 @@ replicated plan would prove nothing about sharding).
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import autopar
-from autopar.errors import MatchSignatureError
+from autopar.errors import MatchSignatureError, ReplicatedControlFlowWarning
 
 F32_RTOL, F32_ATOL = 1e-5, 1e-6  # DESIGN.md: f32 to 1e-5 (atol for values near zero)
 BF16_RTOL = 2**-6  # bf16 keeps 8 mantissa bits; a sharded sum adds in another order
@@ -281,8 +283,11 @@ def test_lax_cond():
         return _sgd(p, g, 0.1), loss
 
     p, (x, y) = _params(), _batch()
-    f = _decorate(cond_step, _splitting(cond_step, p, x, y))
-    _assert_same(f(p, x, y), jax.jit(cond_step)(p, x, y))
+    # The cond over the gradients runs replicated, and says so.
+    with pytest.warns(ReplicatedControlFlowWarning, match=r"\(cond \(x1\)\)"):
+        f = _decorate(cond_step, _splitting(cond_step, p, x, y))
+        got = f(p, x, y)
+    _assert_same(got, jax.jit(cond_step)(p, x, y))
     _assert_same(f(p, 0.01 * x, 0.01 * y), jax.jit(cond_step)(p, 0.01 * x, 0.01 * y))
     assert _specs(f.plan_for(p, x, y))["x"] == DATA
 
@@ -309,14 +314,19 @@ def test_fori_loop_and_while_loop():
     # fori_loop (a scan of known length): under the bound the loop body's weights are
     # split over data, Megatron-style (w1 by columns, w2 by rows), the batch kept whole.
     f = _decorate(fori_step, _splitting(fori_step, p, x, y))
-    _assert_same(f(p, x, y), jax.jit(fori_step)(p, x, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedControlFlowWarning)  # a scan: sharded
+        got = f(p, x, y)
+    _assert_same(got, jax.jit(fori_step)(p, x, y))
     specs = _specs(f.plan_for(p, x, y))
     assert specs["p/w1"] == (None, "data") and specs["p/w2"] == DATA
     assert specs["x"] == (None, None)
     # while_loop: the search finds no plan under any bound below the replicated footprint
     # (its smallest is above it), so this one runs the replicated plan it picks unbounded.
     f = _decorate(while_step)
-    _assert_same(f(p, x, y), jax.jit(while_step)(p, x, y))
+    with pytest.warns(ReplicatedControlFlowWarning, match=r"\(while \(x1\)\)"):
+        got = f(p, x, y)
+    _assert_same(got, jax.jit(while_step)(p, x, y))
     assert all(spec == (None,) * len(spec) for spec in _specs(f.plan_for(p, x, y)).values())
 
 
