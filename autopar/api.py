@@ -870,20 +870,18 @@ def warn_unknown_primitives(graph: Graph) -> None:
                 walk(body)
 
     walk(graph)
-    if counts:
-        names = ", ".join(f"{p} (x{n})" for p, n in sorted(counts.items()))
-        warnings.warn(
-            f"autopar has no sharding rule for {names}: these equations run replicated (every "
+    for found, what, cls in (
+        (
+            counts,
+            "autopar has no sharding rule for {names}: these equations run replicated (every "
             "device computes them on whole tensors, after gathering their inputs) and count "
             "0 FLOPs in the cost model. The step still computes the same values; to have "
             "them sharded, express them with standard jax.numpy / lax operations.",
             UnknownPrimitiveWarning,
-            stacklevel=3,
-        )
-    if control:
-        names = ", ".join(f"{p} (x{n})" for p, n in sorted(control.items()))
-        warnings.warn(
-            f"the step branches or loops over arrays ({names}): autopar cannot shard "
+        ),
+        (
+            control,
+            "the step branches or loops over arrays ({names}): autopar cannot shard "
             "lax.cond / lax.switch / lax.while_loop yet, so their array operands and results "
             "are whole on every device (the plan gathers them first; a cond over the "
             "optimizer state, as optax.MultiSteps or a loss-scale skip makes, rules out "
@@ -892,8 +890,11 @@ def warn_unknown_primitives(graph: Graph) -> None:
             "to accumulate gradients, SearchOptions(microbatches=k) instead of "
             "optax.MultiSteps.",
             ReplicatedControlFlowWarning,
-            stacklevel=3,
-        )
+        ),
+    ):
+        if found:
+            names = ", ".join(f"{p} (x{n})" for p, n in sorted(found.items()))
+            warnings.warn(what.format(names=names), cls, stacklevel=3)
 
 
 _REPLICATED_CONTROL_FLOW = frozenset({"cond", "while"})

@@ -321,14 +321,15 @@ def _target(
 def _dtype(name: str) -> Any:
     """The dtype a plan record names: numpy's (``bfloat16`` included), or a typed PRNG
     key's (``key<fry>``) among JAX's built-in implementations."""
+    from autopar.trace.tensor import KEY_IMPLS
+
     try:
         return np.dtype(name)
     except TypeError:
         pass
-    for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
-        dtype = jax.eval_shape(lambda impl=impl: jax.random.key(0, impl=impl)).dtype
-        if str(dtype) == name:
-            return dtype
+    if name in KEY_IMPLS:
+        impl = KEY_IMPLS[name][0]
+        return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
     raise RestoreCheckpointError(
         f"the plan names dtype {name!r}, which is neither numpy's nor a JAX PRNG key's: "
         "restore into a pytree of jax.ShapeDtypeStruct instead of the plan."

@@ -69,6 +69,7 @@ from autopar._compat import COMPOSITE_BODY_PARAMS, eqn_context
 from autopar.errors import LowerPlanError
 from autopar.lower.stages import Piece, StageCut, cut_stages
 from autopar.lower.workarounds import guard_gather, guard_scatter_result
+from autopar.trace.tensor import KEY_IMPLS
 
 __all__ = [
     "SCHEDULES",
@@ -327,9 +328,9 @@ def key_impl_name(dtype: Any) -> str | None:
     """
     if not _is_key(dtype):
         return None
-    for name in ("threefry2x32", "rbg", "unsafe_rbg"):
-        if jax.eval_shape(lambda name=name: jax.random.key(0, impl=name)).dtype == dtype:
-            return name
+    known = KEY_IMPLS.get(str(dtype))
+    if known is not None:
+        return known[0]
     raise LowerPlanError(
         f"a pipeline cannot send a PRNG key of dtype {dtype}: unknown implementation."
     )

@@ -12,11 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TensorInfo", "itemsize"]
+__all__ = ["KEY_IMPLS", "TensorInfo", "itemsize"]
 
 _ITEMSIZE: dict[str, int] = {"bool": 1, "float0": 1}
-# Typed PRNG keys hold their implementation's words of uint32: threefry 2, rbg 4.
-_KEY_WORDS = {"key<fry>": 2, "key<rbg>": 4, "key<urbg>": 4}
+KEY_IMPLS: dict[str, tuple[str, int]] = {
+    "key<fry>": ("threefry2x32", 2),
+    "key<rbg>": ("rbg", 4),
+    "key<urbg>": ("unsafe_rbg", 4),
+}
+"""JAX's built-in typed PRNG key dtypes, by name: (implementation, uint32 words of data)."""
 
 
 @functools.cache
@@ -52,7 +56,7 @@ def _itemsize(dtype: str) -> int:
     except (ImportError, TypeError):
         # Other extended dtypes (a key of an implementation outside JAX's, tokens):
         # a key as one threefry key; opaque values hold no data worth counting.
-        return 4 * _KEY_WORDS.get(dtype, 2) if dtype.startswith("key<") else 0
+        return 4 * KEY_IMPLS.get(dtype, ("", 2))[1] if dtype.startswith("key<") else 0
 
 
 @dataclass(frozen=True)
