@@ -151,7 +151,6 @@ def _may_pipeline(graph: Graph, options: SearchOptions) -> bool:
     return (
         options.pipeline_stages != 1
         and (options.axes is None or "pipe" in options.axes)
-        and options.zero_stage in (None, 0)
         and len(graph.layers) >= 2
         and any(gi.role == "batch" and gi.tensor.ndim for gi in graph.inputs)
     )
@@ -194,6 +193,27 @@ def _program(graph: Graph, plan: Plan, acc: Any) -> Any:
     return pipeline_program(graph, plan, acc)
 
 
+def _inner_plan(graph: Graph, cluster: Any, options: Any, acc: Any, floor: bool) -> Plan:
+    """The intra-op plan inside a pipeline's stages, solved for the whole step under
+    ``options.memory_limit_bytes`` (``pipe`` times the device's: a stage holds about
+    ``1/pipe`` of the step). With ``floor``, a step whose smallest footprint is over that
+    is solved again just over it (the layouts that need the least; a stage holds its
+    share of the activations, so they may fit where the whole step does not)."""
+    from dataclasses import replace
+
+    from autopar.errors import InfeasiblePlanError
+    from autopar.search import plan_graph
+
+    try:
+        return plan_graph(graph, cluster, options, accumulation=acc)
+    except InfeasiblePlanError as e:
+        low = getattr(e, "smallest_bytes", None)
+        if not floor or low is None:
+            raise
+        again = replace(options, memory_limit_bytes=low * (1 + 1e-3))
+        return plan_graph(graph, cluster, again, accumulation=acc)
+
+
 def _plan_pipeline(
     fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions, m: int
 ) -> Plan:
@@ -215,6 +235,7 @@ def _plan_pipeline(
     prediction is the winner's price; every candidate priced is in its shortlist."""
     from dataclasses import replace
 
+    from autopar.axes import BATCH_AXES
     from autopar.errors import InfeasiblePlanError
     from autopar.search import plan_graph
     from autopar.search.outer import finish, price_pipeline
@@ -242,15 +263,13 @@ def _plan_pipeline(
             f"pipeline_stages={options.pipeline_stages} disagrees with the mesh's 'pipe' axis "
             f"of {pipe}: one stage per pipe device; give one of them."
         )
-    if options.zero_stage not in (None, 0):
-        raise InvalidOptionError(
-            f"zero_stage={options.zero_stage} in a pipeline is not available yet: use None "
-            "or 0 (parameters of a scanned stack are split over 'pipe' already)."
-        )
     acc = _accumulation(fn, args, graph, m)
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
     sub = {a: n for a, n in options.mesh.items() if a != "pipe"}
-    inners: list[Any] = [None]
+    # A fixed ZeRO stage over data replicas is a layout the intra-op search gives the
+    # stages (plain data parallel keeps the state whole on every replica).
+    zero = bool(options.zero_stage) and any(a in BATCH_AXES and n > 1 for a, n in sub.items())
+    inners: list[Any] = [] if zero else [None]
     if math.prod(sub.values()) > 1:
         inner_options = replace(
             options,
@@ -259,15 +278,23 @@ def _plan_pipeline(
             schedule=None,
             virtual_stages=None,
             remat="none",
-            zero_stage=None,
+            zero_stage=options.zero_stage,
             memory_limit_bytes=limit * pipe,
             microbatches=m,
             microbatch_size=None,
         )
         try:
-            inners.append(plan_graph(graph, cluster, inner_options, accumulation=acc))
-        except InfeasiblePlanError:
-            pass  # the stages' share may fit though the whole step does not
+            inners.append(_inner_plan(graph, cluster, inner_options, acc, floor=zero))
+        except InfeasiblePlanError as e:
+            if zero:
+                raise InfeasiblePlanError(
+                    f"no layout inside the stages of {dict(options.mesh)} with "
+                    f"zero_stage={options.zero_stage}: {e}",
+                    smallest_bytes=getattr(e, "smallest_bytes", None),
+                    bound_bytes=limit,
+                    closest=getattr(e, "closest", None),
+                ) from e
+            # the stages' share may fit though the whole step does not
     # Remat is a memory lever: tried when the options say so, or when nothing fits without.
     remats = [options.remat] if options.remat is not None else ["none", "full"]
     splits = _stage_splits(graph, cluster, options, sub, acc, pipe * v, remats)

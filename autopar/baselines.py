@@ -582,6 +582,7 @@ def pipeline(
         plan,
         inputs=inputs,
         outputs=outputs,
+        zero_stage=_pipeline_zero_stage(inputs, data),
         pipeline=PipelinePlan(
             stages,
             schedule,
@@ -590,6 +591,27 @@ def pipeline(
             stage_remat=_stage_remat(stage_remat, len(stages)),
         ),
     ).bind(graph.in_tree, graph.out_tree)
+
+
+def _pipeline_zero_stage(inputs: Sequence[TensorSharding], data: Sequence[str]) -> int:
+    """The ZeRO stage of a pipeline's layouts: what the stages' layouts split over the
+    data-parallel axes (``data``: the mesh's batch axes other than ``pipe``), by bytes, as
+    :func:`autopar.search.to_plan.zero_stage_of` reads an intra-op plan (a microbatched
+    stage may store its batch split on another dim than the batch's, so the data axes are
+    the mesh's, not read from the batch layouts)."""
+    from autopar.search.sharding import from_plan_spec
+    from autopar.search.to_plan import zero_stage_of
+    from autopar.trace.tensor import itemsize
+
+    def leaves(role: str) -> list[tuple[Any, int]]:
+        return [
+            (from_plan_spec(r.spec, len(r.shape)), math.prod(r.shape) * itemsize(r.dtype))
+            for r in inputs
+            if r.role == role
+        ]
+
+    batch = [((*data,),)] if data else []
+    return zero_stage_of(batch, leaves("param"), leaves("opt_state"))
 
 
 def _stage_remat(policy: str | Sequence[str], n: int) -> tuple[str, ...]:

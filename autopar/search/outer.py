@@ -119,6 +119,9 @@ class PipelineConfig:
         schedule: ``"1f1b"`` or ``"interleaved-1f1b"`` (``"gpipe"`` when given).
         virtual_stages: chunks per device (interleaved only).
         remat: stage rematerialisation, ``"none"`` or ``"full"``.
+        zero_stage: the ZeRO stage of the data replicas (1 or 2 split the optimizer
+            state over ``data``, 3 the parameters too), inside the stages of a pipeline as
+            without; ``None``: searched (what the stages' intra-op layouts split).
 
     Example:
         >>> c = PipelineConfig(4, {"tensor": 8}, 2, 16, 1, "1f1b", 1, "full")
@@ -136,6 +139,7 @@ class PipelineConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     remat: str = "none"
+    zero_stage: int | None = None
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -153,10 +157,11 @@ class PipelineConfig:
     def label(self) -> str:
         mesh = " x ".join(f"{a} {n}" for a, n in self.mesh.items())
         micro = f"{self.microbatches} microbatches of {self.microbatch_size}"
+        zero = f", ZeRO-{self.zero_stage}" if self.zero_stage else ""
         if self.pipe == 1:
-            return f"{mesh}, {micro}" if self.microbatches > 1 else mesh
+            return (f"{mesh}, {micro}" if self.microbatches > 1 else mesh) + zero
         sched = self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return f"{mesh}, {sched}, {micro}, remat {self.remat}"
+        return f"{mesh}, {sched}, {micro}, remat {self.remat}{zero}"
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,8 @@ class Profile:
             ``evaluate_pipeline(..., per_layer=True)``); empty when not profiled.
         layer_bytes: per layer, its share of the parameters and activations
             (:func:`autopar.search.interop.layer_bytes`), or ``None``.
+        optimizer_share / param_share: the fractions of ``state_bytes`` that are
+            optimizer state and parameters (what a fixed ZeRO stage splits over ``data``).
     """
 
     model: Mapping[str, int]
@@ -199,6 +206,8 @@ class Profile:
     layer_forward_s: tuple[float, ...] = ()
     layer_backward_s: tuple[float, ...] = ()
     layer_bytes: Any = None
+    optimizer_share: float = 0.0
+    param_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -270,6 +279,7 @@ def configurations(
     fixed_pipe = options.pipeline_stages
     schedules = [options.schedule] if options.schedule else ["1f1b", "interleaved-1f1b"]
     remats = [options.remat] if options.remat else ["none", "full"]
+    zero = options.zero_stage
     out: list[PipelineConfig] = []
     for model in groups:
         k = math.prod(model.values()) if model else 1
@@ -286,8 +296,6 @@ def configurations(
                 continue
             if scanned and layers % p and fixed_pipe is None:
                 continue
-            if p > 1 and options.zero_stage not in (None, 0):
-                continue  # ZeRO over data is not run inside pipeline stages
             d = n // (k * p)
             if batch % d:
                 continue
@@ -299,7 +307,7 @@ def configurations(
                     continue
                 if p == 1:
                     if m > 1 and options.remat in (None, "none") and not options.schedule:
-                        out.append(PipelineConfig(1, dict(model), d, m, b))
+                        out.append(PipelineConfig(1, dict(model), d, m, b, zero_stage=zero))
                     continue
                 if m < p:
                     continue  # fewer microbatches than stages leaves a stage idle
@@ -316,7 +324,9 @@ def configurations(
                     elif options.virtual_stages not in (None, 1):
                         continue
                     for remat in remats:
-                        out.append(PipelineConfig(p, dict(model), d, m, b, sched, v, remat))
+                        out.append(
+                            PipelineConfig(p, dict(model), d, m, b, sched, v, remat, zero)
+                        )
     return out
 
 
@@ -399,6 +409,14 @@ def screen(
         state = prof.state_bytes * sum(prof.layer_bytes.params[a:b])
         return Screened(config, step, mems[worst], mems[worst] - state, stages)
     state = prof.state_bytes / p
+    if p > 1 and c.data > 1 and c.zero_stage:
+        # A fixed ZeRO stage inside the stages: the optimizer state (and at stage 3 the
+        # parameters) split over the data replicas. (Searched, the stages' intra-op
+        # layouts may split the state over data where their bound needs it: a ZeRO-1
+        # variant of every pipeline screened at its lower bound took the finalists'
+        # places and priced over it, 20B GPT-NeoX on 96 A100s 40GB lost 16%.)
+        share = prof.optimizer_share + (prof.param_share if c.zero_stage == 3 else 0.0)
+        state *= 1 - share * (1 - 1 / c.data)
     if p == 1 and c.data > 1:
         # Without a pipeline the intra-op search may split the state over the data
         # replicas too (ZeRO / FSDP, what the bound makes it do): at best a replica holds
@@ -466,9 +484,12 @@ def _uneven(
 
 
 def _inner_options(options: SearchOptions, mesh: Mapping[str, int], m: int, limit: float):
+    """The intra-op search's options on a stage's (or a microbatched step's) ``mesh``: the
+    pipeline's knobs cleared; a fixed ZeRO stage kept (it says what the stage's layouts
+    split over ``data``)."""
     return replace(
         options, mesh=dict(mesh), axes=None, pipeline_stages=None, schedule=None,
-        virtual_stages=None, remat=None, zero_stage=None, microbatch_size=None,
+        virtual_stages=None, remat=None, microbatch_size=None,
         microbatches=m, memory_limit_bytes=limit,
     )  # fmt: skip
 
@@ -505,13 +526,14 @@ def profile(
     )
     bd = dict(ev.memory_breakdown)
     scanned = any(layer.kind == "scan" for layer in graph.layers)
+    state = sum(b for k, b in bd.items() if k != "activations")
     return Profile(
         model=dict(model),
         microbatch_size=batch_size(acc.micro),
         forward_s=float(ev.extra["stage_forward_s"][0]),
         backward_s=float(ev.extra["stage_backward_s"][0]),
         update_s=float(ev.extra.get("update_s", 0.0)),
-        state_bytes=sum(b for k, b in bd.items() if k != "activations"),
+        state_bytes=state,
         grad_bytes=float(bd.get("grads", 0.0)),
         activation_bytes=float(bd.get("activations", 0.0)),
         boundary_bytes=float(ev.extra.get("boundary_bytes", 0.0)),
@@ -520,6 +542,8 @@ def profile(
         layer_forward_s=tuple(ev.extra.get("layer_forward_s", ())),
         layer_backward_s=tuple(ev.extra.get("layer_backward_s", ())),
         layer_bytes=None if scanned or not graph.layers else layer_bytes(acc.micro),
+        optimizer_share=bd.get("optimizer", 0.0) / state if state else 0.0,
+        param_share=bd.get("params", 0.0) / state if state else 0.0,
     )
 
 
@@ -951,7 +975,9 @@ def _price(
             c.remat, inner, acc, limit, stages=screened.stages,
         )  # fmt: skip
 
-    if not c.model:
+    if c.zero_stage is not None:
+        options = replace(options, zero_stage=c.zero_stage)
+    if not c.model and not (c.zero_stage and c.data > 1):
         plan, ev = priced(None)  # data parallel inside the stages
         return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev))
     # The stages' layouts: the intra-op search on the sub-mesh for the whole step, under

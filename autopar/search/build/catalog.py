@@ -98,6 +98,12 @@ class StrategyCatalog:
                 need = self.required_axes.get(gi.index)
                 if need:
                     using = [s for s in hit if need <= {a for dim in s for a in dim}]
+                    if gi.role == "batch":
+                        # ZeRO's data-parallel ranks split the batch: its leading dim (a
+                        # required axis on the sequence instead made another axis the
+                        # batch's, and the plan no ZeRO plan at all).
+                        lead = [s for s in using if s and need <= set(s[0])]
+                        using = lead or using
                     hit = using or hit
             self._specs[ck] = hit
         return hit

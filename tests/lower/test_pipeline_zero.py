@@ -1,0 +1,112 @@
+"""ZeRO inside pipeline stages (issue 13: ``zero_stage`` is a lever the options can fix
+with a ``pipe`` axis): the stages' optimizer state (ZeRO-1) or state and parameters
+(ZeRO-3) split over ``data``, the lowered pipeline equal to single device, and the
+outer loop's candidates carrying the fixed stage.
+
+Expected layouts come from the ZeRO definitions (Rajbhandari et al. 2020): stage 1
+partitions the optimizer state over the data-parallel ranks and keeps parameters whole
+on each; stage 3 partitions the parameters too. The tiny zoo GPT's state is dominated by
+its blocks' matmul weights, whose dims (64, 256) the 4 data replicas divide.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import pytest
+
+import autopar
+from autopar import SearchOptions
+from autopar.lower import lower_plan
+from autopar.search.outer import PipelineConfig, Profile, screen
+from cost_models import Cluster
+from tests.lower._zoo import check_against_single_device
+
+MESH = {"pipe": 2, "data": 4}
+
+
+@functools.cache
+def _step(scan: bool):
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+
+    cfg = GPTConfig.preset("tiny", precision="fp32", scan_layers=scan, layers=4)
+    step, args = make_train_step(cfg, 16, abstract=False)
+    return step, jax.device_put(args, jax.devices()[0])
+
+
+def _bytes_over_data(plan, role: str) -> float:
+    """The fraction of ``role``'s bytes whose layout uses the ``data`` axis."""
+    total = over = 0
+    for r in plan.inputs:
+        if r.role != role:
+            continue
+        n = 1
+        for d in r.shape:
+            n *= d
+        total += n
+        axes = {a for e in r.spec if e for a in ((e,) if isinstance(e, str) else e)}
+        over += n * ("data" in axes)
+    return over / total
+
+
+@pytest.mark.parametrize(("scan", "zero"), [(True, 1), (False, 1), (True, 3)])
+def test_pipeline_with_a_fixed_zero_stage_splits_the_state_and_equals_single_device(scan, zero):
+    step, args = _step(scan)
+    opts = SearchOptions(mesh=MESH, microbatches=4, schedule="1f1b", zero_stage=zero)
+    plan = autopar.plan(step, *args, options=opts)
+    assert plan.pipeline is not None and plan.mesh["pipe"] == 2
+    assert plan.zero_stage == zero
+    # ZeRO-1: most optimizer-state bytes over data, parameters kept off it; ZeRO-3 both.
+    assert _bytes_over_data(plan, "opt_state") > 0.5
+    if zero == 1:
+        assert _bytes_over_data(plan, "param") == 0.0
+    else:
+        assert _bytes_over_data(plan, "param") > 0.5
+    check_against_single_device(step, args, lower_plan(step, plan, args))
+
+
+def test_zero_1_inside_the_stages_holds_less_state_than_plain_data_parallel():
+    # The same pipeline priced with and without ZeRO-1: the optimizer state (AdamW's two
+    # moments, twice the parameters' bytes) drops to about 1/4 on 4 replicas.
+    step, args = _step(True)
+    base = SearchOptions(mesh=MESH, microbatches=4, schedule="1f1b", zero_stage=0)
+    plain = autopar.plan(step, *args, options=base)
+    zero = autopar.plan(step, *args, options=SearchOptions(**{**base.__dict__, "zero_stage": 1}))
+    opt0 = plain.predicted.memory_breakdown["optimizer"]
+    opt1 = zero.predicted.memory_breakdown["optimizer"]
+    assert opt1 < opt0 / 2
+    assert plain.zero_stage == 0
+
+
+def test_screen_splits_the_optimizer_share_over_data_for_a_fixed_zero_stage():
+    # 8 GB of state per group, half of it optimizer state (AdamW's moments over fp32
+    # parameters and gradients: 8 of 16 bytes per parameter); 4 stages, 2 replicas:
+    # a stage holds 2 GB, of which ZeRO-1 splits the 1 GB of optimizer state in two.
+    prof = Profile({}, 1, 1.0, 2.0, 0.0, 8e9, 0.0, 0.0, 0.0, optimizer_share=0.5, param_share=0.25)
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=2, devices_per_node=4)
+    z0 = screen(PipelineConfig(4, {}, 2, 8, 1), prof, cluster)
+    z1 = screen(PipelineConfig(4, {}, 2, 8, 1, zero_stage=1), prof, cluster)
+    z3 = screen(PipelineConfig(4, {}, 2, 8, 1, zero_stage=3), prof, cluster)
+    assert z0.memory_bytes == pytest.approx(2e9)
+    assert z1.memory_bytes == pytest.approx(2e9 - 0.5e9)
+    assert z3.memory_bytes == pytest.approx(2e9 - 0.75e9)
+    assert z1.config.label.endswith("ZeRO-1")
+
+
+def test_the_outer_loop_keeps_a_fixed_zero_stage_in_every_candidate():
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+
+    cfg = GPTConfig.preset("tiny", precision="fp32", layers=4)
+    step, args = make_train_step(cfg, 16)
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=2, devices_per_node=4)
+    plan = autopar.plan(step, *args, cluster=cluster, options=SearchOptions(zero_stage=1))
+    assert plan.zero_stage == 1
+    # The data replicas split the batch's leading dim (ZeRO's ranks), not its sequence.
+    for r in plan.inputs:
+        if r.role == "batch":
+            lead = r.spec[0] if r.spec else None
+            assert "data" in ((lead,) if isinstance(lead, str) else (lead or ())), r
+    piped = [c for c in plan.shortlist if c.label.startswith("pipe ")]
+    assert piped, [c.label for c in plan.shortlist]
+    assert all(c.label.endswith("ZeRO-1") for c in piped)
