@@ -237,7 +237,6 @@ def _plan_pipeline(
 
     from autopar.axes import BATCH_AXES
     from autopar.errors import InfeasiblePlanError
-    from autopar.search import plan_graph
     from autopar.search.outer import finish, price_pipeline
     from autopar.search.shortlist import candidate, rank
 

@@ -324,9 +324,7 @@ def configurations(
                     elif options.virtual_stages not in (None, 1):
                         continue
                     for remat in remats:
-                        out.append(
-                            PipelineConfig(p, dict(model), d, m, b, sched, v, remat, zero)
-                        )
+                        out.append(PipelineConfig(p, dict(model), d, m, b, sched, v, remat, zero))
     return out
 
 
