@@ -286,12 +286,12 @@ def _plan_pipeline(
             inners.append(_inner_plan(graph, cluster, inner_options, acc, floor=zero))
         except InfeasiblePlanError as e:
             if zero:
-                raise InfeasiblePlanError(
-                    f"no layout inside the stages of {dict(options.mesh)} with "
-                    f"zero_stage={options.zero_stage}: {e}",
-                    smallest_bytes=getattr(e, "smallest_bytes", None),
-                    bound_bytes=limit,
-                    closest=getattr(e, "closest", None),
+                raise e.restated(
+                    f"no pipeline on {dict(options.mesh)} with zero_stage="
+                    f"{options.zero_stage} fits the bound of {limit:.4g} bytes per device: "
+                    f"the stages' layouts, searched for the whole step under {pipe} times "
+                    f"that bound (a stage holds about 1/{pipe} of it), found none: {e}",
+                    limit,
                 ) from e
             # the stages' share may fit though the whole step does not
     # Remat is a memory lever: tried when the options say so, or when nothing fits without.

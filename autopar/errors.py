@@ -47,6 +47,22 @@ class InfeasiblePlanError(AutoparError):
         self.bound_bytes = bound_bytes
         self.closest = closest
 
+    def restated(self, message: str, bound_bytes: float | None = None) -> InfeasiblePlanError:
+        """The same finding (smallest footprint, closest plan) under a message that says
+        more: what was tried around it, and the bound that counts for the caller.
+
+        Example:
+            >>> e = InfeasiblePlanError("too big", smallest_bytes=9e10, bound_bytes=8e10)
+            >>> e.restated(f"inside the stages: {e}", 2e10).bound_bytes
+            20000000000.0
+        """
+        return InfeasiblePlanError(
+            message,
+            smallest_bytes=self.smallest_bytes,
+            bound_bytes=self.bound_bytes if bound_bytes is None else bound_bytes,
+            closest=self.closest,
+        )
+
 
 class BindArgumentsError(AutoparError, TypeError):
     """The arguments of a call do not fit the step: an unexpected or missing keyword, too

@@ -761,7 +761,7 @@ def plan_outer(
     batch = batch_size(graph)
     groups = model_groups(graph, cluster, options)
     priced: list[_Priced] = []
-    plain_error: AutoparError | None = None
+    plain_error: InfeasiblePlanError | None = None
     accs: dict[int, Any] = {}  # microbatch count -> the step's accumulation, traced once
     with SearchProgress(len(groups) + FINALISTS + 1, "plan") as bar:
         if options.pipeline_stages in (None, 1) and options.microbatches in (None, 1):
@@ -784,12 +784,10 @@ def plan_outer(
             # The step cannot be split into microbatches (so neither pipelined): the
             # intra-op plan is the answer, if there is one.
             if plain_error is not None:
-                raise InfeasiblePlanError(
+                raise plain_error.restated(
                     f"{plain_error} The memory levers (microbatches, pipeline stages, stage "
                     f"remat) cannot help: {e}",
-                    smallest_bytes=getattr(plain_error, "smallest_bytes", None),
-                    bound_bytes=limit,
-                    closest=getattr(plain_error, "closest", None),
+                    limit,
                 ) from e
             if not priced:
                 raise  # the options ask for microbatches or stages the step cannot take

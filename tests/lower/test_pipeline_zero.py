@@ -110,3 +110,17 @@ def test_the_outer_loop_keeps_a_fixed_zero_stage_in_every_candidate():
     piped = [c for c in plan.shortlist if c.label.startswith("pipe ")]
     assert piped, [c.label for c in plan.shortlist]
     assert all(c.label.endswith("ZeRO-1") for c in piped)
+
+
+def test_a_zero_pipeline_that_cannot_fit_says_by_how_much():
+    # 1 kB per device holds not even the embedding table's share.
+    from autopar import InfeasiblePlanError
+
+    step, args = _step(True)
+    opts = SearchOptions(mesh=MESH, microbatches=4, zero_stage=1, memory_limit_bytes=1000)
+    with pytest.raises(InfeasiblePlanError) as info:
+        autopar.plan(step, *args, options=opts)
+    assert info.value.smallest_bytes is not None and info.value.smallest_bytes > 1000
+    assert info.value.bound_bytes == 1000
+    assert "fits the bound of 1000 bytes per device" in str(info.value)
+    assert "zero_stage=1" in str(info.value)
