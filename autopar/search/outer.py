@@ -121,7 +121,8 @@ class PipelineConfig:
         remat: stage rematerialisation, ``"none"`` or ``"full"``.
         zero_stage: the ZeRO stage of the data replicas (1 or 2 split the optimizer
             state over ``data``, 3 the parameters too), inside the stages of a pipeline as
-            without; ``None``: searched (what the stages' intra-op layouts split).
+            without; ``None``: searched (:func:`screen` gives a pipeline ZeRO-1 when its
+            stage fits with it and not without).
 
     Example:
         >>> c = PipelineConfig(4, {"tensor": 8}, 2, 16, 1, "1f1b", 1, "full")
@@ -407,14 +408,19 @@ def screen(
         state = prof.state_bytes * sum(prof.layer_bytes.params[a:b])
         return Screened(config, step, mems[worst], mems[worst] - state, stages)
     state = prof.state_bytes / p
-    if p > 1 and c.data > 1 and c.zero_stage:
-        # A fixed ZeRO stage inside the stages: the optimizer state (and at stage 3 the
-        # parameters) split over the data replicas. (Searched, the stages' intra-op
-        # layouts may split the state over data where their bound needs it: a ZeRO-1
-        # variant of every pipeline screened at its lower bound took the finalists'
-        # places and priced over it, 20B GPT-NeoX on 96 A100s 40GB lost 16%.)
-        share = prof.optimizer_share + (prof.param_share if c.zero_stage == 3 else 0.0)
-        state *= 1 - share * (1 - 1 / c.data)
+    if p > 1 and c.data > 1 and c.zero_stage != 0:
+        # ZeRO inside the stages: the optimizer state (and at stage 3 the parameters)
+        # split over the data replicas. Searched (None), ZeRO-1 is a memory lever: taken
+        # when the stage does not fit without it and does with it, within the bound (the
+        # screen's slack let variants that price over it take every finalist's place).
+        zero = c.zero_stage
+        if zero is None and limit is not None and state + held > limit:
+            cut = state * (1 - prof.optimizer_share * (1 - 1 / c.data))
+            zero = 1 if cut + held <= limit else None
+        if zero:
+            share = prof.optimizer_share + (prof.param_share if zero == 3 else 0.0)
+            state *= 1 - share * (1 - 1 / c.data)
+            config = replace(config, zero_stage=zero)
     if p == 1 and c.data > 1:
         # Without a pipeline the intra-op search may split the state over the data
         # replicas too (ZeRO / FSDP, what the bound makes it do): at best a replica holds

@@ -172,7 +172,11 @@ def _compiled_memory(scan: bool, batch: int, schedule: str, m: int) -> tuple[flo
     return row.compiled_bytes, row.predicted_bytes
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["gpt_scan", "gpt_unrolled"])
+# The unrolled variants compile 2-3x longer; they run with the slow tests (benchmarks).
+_SCAN_FAST_UNROLLED_SLOW = [True, pytest.param(False, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("scan", _SCAN_FAST_UNROLLED_SLOW, ids=["gpt_scan", "gpt_unrolled"])
 def test_one_f_one_b_memory_is_flat_in_the_microbatches(scan: bool) -> None:
     # Microbatches of 4 examples (one per data shard): m = 4 on a batch of 16, m = 8 on
     # 32. 1F1B keeps at most p = 2 microbatches in flight whatever m is.
@@ -183,7 +187,7 @@ def test_one_f_one_b_memory_is_flat_in_the_microbatches(scan: bool) -> None:
         assert abs(predicted - compiled) <= MEMORY_TOLERANCE * compiled
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["gpt_scan", "gpt_unrolled"])
+@pytest.mark.parametrize("scan", _SCAN_FAST_UNROLLED_SLOW, ids=["gpt_scan", "gpt_unrolled"])
 def test_gpipe_memory_grows_with_the_microbatches(scan: bool) -> None:
     # The same microbatches: GPipe keeps all m in flight (its stash has m + 1 slots).
     c4, p4 = _compiled_memory(scan, 16, "gpipe", 4)
