@@ -203,6 +203,7 @@ def _inner_plan(graph: Graph, cluster: Any, options: Any, acc: Any, floor: bool)
 
     from autopar.errors import InfeasiblePlanError
     from autopar.search import plan_graph
+    from autopar.search.outer import _FLOOR_SLACK  # the outer loop's floor retry, alike
 
     try:
         return plan_graph(graph, cluster, options, accumulation=acc)
@@ -210,7 +211,7 @@ def _inner_plan(graph: Graph, cluster: Any, options: Any, acc: Any, floor: bool)
         low = getattr(e, "smallest_bytes", None)
         if not floor or low is None:
             raise
-        again = replace(options, memory_limit_bytes=low * (1 + 1e-3))
+        again = replace(options, memory_limit_bytes=low * (1 + _FLOOR_SLACK))
         return plan_graph(graph, cluster, again, accumulation=acc)
 
 

@@ -972,8 +972,8 @@ def _price(
             c.remat, inner, acc, limit, stages=screened.stages,
         )  # fmt: skip
 
-    if c.zero_stage is not None:
-        options = replace(options, zero_stage=c.zero_stage)
+    # A fixed ZeRO stage (``options.zero_stage``, as ``c.zero_stage``) is a layout the
+    # stages' intra-op search gives them, data-only stages included.
     if not c.model and not (c.zero_stage and c.data > 1):
         plan, ev = priced(None)  # data parallel inside the stages
         return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev))

@@ -11,6 +11,7 @@ its blocks' matmul weights, whose dims (64, 256) the 4 data replicas divide.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -75,7 +76,7 @@ def test_zero_1_inside_the_stages_holds_less_state_than_plain_data_parallel():
     step, args = _step(True)
     base = SearchOptions(mesh=MESH, microbatches=4, schedule="1f1b", zero_stage=0)
     plain = autopar.plan(step, *args, options=base)
-    zero = autopar.plan(step, *args, options=SearchOptions(**{**base.__dict__, "zero_stage": 1}))
+    zero = autopar.plan(step, *args, options=dataclasses.replace(base, zero_stage=1))
     opt0 = plain.predicted.memory_breakdown["optimizer"]
     opt1 = zero.predicted.memory_breakdown["optimizer"]
     assert opt1 < opt0 / 2
