@@ -53,6 +53,7 @@ __all__ = [
     "LayerBytes",
     "inflight",
     "layer_bytes",
+    "pipe_share",
     "pipeline_time",
     "split_stages",
     "stage_memory",
@@ -238,6 +239,54 @@ def layer_bytes(graph: Graph) -> LayerBytes:
                 for k, x in share.items():
                     acts[k] += graph.values[v].nbytes * x
     return LayerBytes(_normalised(params), _normalised(acts))
+
+
+def pipe_share(graph: Graph) -> float:
+    """The fraction of the step's parameter and optimizer-state bytes a pipeline splits
+    over ``pipe``: a scanned layer stack's (its stacked inputs, and their optimizer
+    state), which each stage holds only its layers of. The rest (unrolled layers,
+    embeddings, the head) is whole on every ``pipe`` device in this runtime
+    (:mod:`autopar.lower.pipeline`), its update run on each, its gradients all-reduced
+    over ``pipe`` after the flush.
+
+    A stacked input is one a layer scan iterates over (an ``xs`` operand), reached from
+    the scan through same-shape single-operand work (a cast).
+
+    Example:
+        >>> pipe_share(graph)   # the MLP: unrolled layers, nothing split over pipe
+        0.0
+    """
+    from autopar.search.build.coarsen import match_optimizer_state
+
+    state = {gi.value: gi for gi in graph.inputs if gi.role in ("param", "opt_state")}
+    total = sum(gi.tensor.nbytes for gi in state.values())
+    if not total:
+        return 0.0
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    stacked: set[int] = set()
+    for layer in graph.layers:
+        if layer.kind != "scan":
+            continue
+        for nid in layer.nodes:
+            n = graph.nodes[nid]
+            if n.primitive != "scan":
+                continue
+            k = int(n.params.get("num_consts", 0)) + int(n.params.get("num_carry", 0))
+            for v in n.inputs[k:]:
+                # Back through a cast (or a copy) to the step input it reads.
+                while v not in state and v in producer:
+                    src = producer[v]
+                    live = [u for u in src.inputs if u >= 0]
+                    if len(live) != 1 or src.in_tensors[0].shape != src.out_tensors[0].shape:
+                        break
+                    v = live[0]
+                if v in state and state[v].role == "param":
+                    stacked.add(state[v].index)
+    for param, states in match_optimizer_state(graph).items():
+        if param in stacked:
+            stacked.update(states)
+    split = sum(gi.tensor.nbytes for gi in state.values() if gi.index in stacked)
+    return split / total
 
 
 def _normalised(xs: list[float]) -> tuple[float, ...]:

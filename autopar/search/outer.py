@@ -27,7 +27,10 @@ It runs in three steps, each priced by the planner's own model:
    ``2 (p - 1)`` boundary sends, the data-parallel gradient
    reduce-scatter per microbatch (as the runtime runs it) and one all-gather per step,
    the update's share; memory, the stage's share of the state plus the in-flight
-   activations (only the stage inputs under remat). A microbatch of ``b`` examples costs
+   activations (only the stage inputs under remat). A stage's share of the state is
+   ``1/p`` of a scanned stack's and all the rest (``Profile.pipe_share``: unrolled
+   layers and embeddings are whole on every stage), whose gradients pay an all-reduce
+   over ``pipe`` after the flush. A microbatch of ``b`` examples costs
    ``b`` times one example's seconds and bytes here; the finalists are priced at their
    own size.
 3. **Finalists.** The best screened configurations that fit (at least three, up to
@@ -76,7 +79,7 @@ from autopar.errors import (
 from autopar.options import SearchOptions
 from autopar.plan import PipelinePlan, Plan
 from autopar.search.costs import CostContext
-from autopar.search.interop import layer_bytes, split_stages, stage_memory
+from autopar.search.interop import layer_bytes, pipe_share, split_stages, stage_memory
 from autopar.search.meshes import candidate_meshes, offered_axes
 from autopar.trace.graph import Graph
 
@@ -190,6 +193,10 @@ class Profile:
             (:func:`autopar.search.interop.layer_bytes`), or ``None``.
         optimizer_share / param_share: the fractions of ``state_bytes`` that are
             optimizer state and parameters (what a fixed ZeRO stage splits over ``data``).
+        pipe_share: the fraction of ``state_bytes`` (and of ``grad_bytes`` and
+            ``update_s``) a pipeline splits over ``pipe``
+            (:func:`autopar.search.interop.pipe_share`: a scanned stack's); the rest is
+            whole on every stage, its gradients all-reduced over ``pipe``.
     """
 
     model: Mapping[str, int]
@@ -208,6 +215,7 @@ class Profile:
     layer_bytes: Any = None
     optimizer_share: float = 0.0
     param_share: float = 0.0
+    pipe_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -363,6 +371,12 @@ def screen(
     makespan = (m + (p - 1) / v) * slot + 2 * (p - 1) * p2p
     if busiest is not None:
         makespan = (m - 1) * busiest + (1 + (p - 1) / v) * slot + 2 * (p - 1) * p2p
+    # What a stage's device holds of the state, the gradients and the update: its share
+    # of a pipe-split stack, the rest whole (unrolled layers and embeddings, whose
+    # gradients are all-reduced over pipe after the flush, exposed, as the runtime does).
+    keep = prof.pipe_share / p + (1 - prof.pipe_share) if p > 1 else 1.0
+    whole_grads = prof.grad_bytes * (1 - prof.pipe_share) if p > 1 else 0.0
+    ar = ctx.collective("all-reduce", whole_grads, ("pipe",)).time_s if whole_grads else 0.0
     grads = 0.0
     if c.data > 1 and prof.grad_bytes:
         # The runtime reduces a microbatch's gradients over data before accumulating: at
@@ -372,11 +386,11 @@ def screen(
         # microbatch (twice the bytes) would rank many small microbatches below what
         # their full price shows.
         eta = float(cluster.overlap_efficiency)
-        grad = prof.grad_bytes / p
+        grad = prof.grad_bytes * keep
         rs = ctx.collective("reduce-scatter", grad, ("data",)).time_s
         ag = ctx.collective("all-gather", grad, ("data",)).time_s
         grads = (m * rs + ag) * (1 - eta)
-    step = makespan + grads + prof.update_s / p
+    step = makespan + grads + prof.update_s * keep + ar
     act = prof.activation_bytes * scale / p  # one microbatch's, on one stage
     if p == 1:
         inflight = 1.0
@@ -401,12 +415,13 @@ def screen(
         # (m - 1) bottlenecks, the stage's p2p sends as above; memory, the worst stage's.
         stages, times, mems = uneven
         makespan = sum(times) + (m - 1) * max(times) + 2 * (p - 1) * p2p
-        step = makespan + grads + prof.update_s / p
+        step = makespan + grads + prof.update_s * keep + ar
         worst = max(range(p), key=lambda s: mems[s])
         a, b = stages[worst]
-        state = prof.state_bytes * sum(prof.layer_bytes.params[a:b])
+        split = prof.pipe_share * sum(prof.layer_bytes.params[a:b])
+        state = prof.state_bytes * (split + 1 - prof.pipe_share)
         return Screened(config, step, mems[worst], mems[worst] - state, stages)
-    state = prof.state_bytes / p
+    state = prof.state_bytes * keep
     if p > 1 and c.data > 1 and c.zero_stage:
         # A fixed ZeRO stage inside the stages: the optimizer state (and at stage 3 the
         # parameters) split over the data replicas. Searched (None), the stages' intra-op
@@ -470,10 +485,15 @@ def _uneven(
         (f * (1 + redo) + b) * scale
         for f, b in zip(prof.layer_forward_s, prof.layer_backward_s, strict=True)
     ]
-    memory = stage_memory(
-        prof.state_bytes, prof.activation_bytes * scale, prof.layer_bytes, c.schedule, p, m,
-        remat=c.remat == "full", boundary_bytes=boundary,
+    split = stage_memory(
+        prof.state_bytes * prof.pipe_share, prof.activation_bytes * scale, prof.layer_bytes,
+        c.schedule, p, m, remat=c.remat == "full", boundary_bytes=boundary,
     )  # fmt: skip
+    whole = prof.state_bytes * (1 - prof.pipe_share)  # on every stage (pipe_share)
+
+    def memory(s: int, a: int, b: int) -> float:
+        return split(s, a, b) + whole
+
     stages = split_stages(costs, p, memory=memory, limit=limit or math.inf)
     even = tuple((i * n // p, (i + 1) * n // p) for i in range(p))
     if stages is None or stages == even:
@@ -543,6 +563,7 @@ def profile(
         layer_bytes=None if scanned or not graph.layers else layer_bytes(acc.micro),
         optimizer_share=bd.get("optimizer", 0.0) / state if state else 0.0,
         param_share=bd.get("params", 0.0) / state if state else 0.0,
+        pipe_share=pipe_share(graph),
     )
 
 
