@@ -904,7 +904,7 @@ def plan_outer(
             priced.append(_screened_only(screened[i], scale))
     fitting = [q for q in priced if _fits(q, limit)]
     if not fitting:
-        raise _infeasible(priced, limit, plain_error)
+        raise _infeasible(priced, limit, plain_error, graph)
     best = min(fitting, key=lambda q: q.candidate.step_time_s)
     others = [q.candidate for q in priced if q is not best]
     short = rank(best.candidate, others, limit)
@@ -1063,14 +1063,25 @@ def _unfit(c: PipelineConfig, why: str):
 
 
 def _infeasible(
-    priced: list[_Priced], limit: float, plain: AutoparError | None
+    priced: list[_Priced], limit: float, plain: AutoparError | None, graph: Graph | None = None
 ) -> InfeasiblePlanError:
-    """Nothing fits: the smallest footprint priced, the bound, and the closest levers."""
+    """Nothing fits: the smallest footprint priced, the bound, and the closest levers (and,
+    for layers the pipeline cannot split, how to let it)."""
     sized = [q for q in priced if q.candidate.memory_bytes_per_device is not None]
     if not sized:
+        if isinstance(plain, InfeasiblePlanError) and plain.smallest_bytes is not None:
+            # The whole cluster's search found a footprint; no pipeline or microbatched
+            # plan got as far as one.
+            return plain.restated(
+                f"{plain} No pipeline or microbatched plan could be laid out under the bound "
+                f"either.{_unrolled_hint(graph)}",
+                limit,
+            )
         return InfeasiblePlanError(
             f"no plan fits the memory bound of {limit:.4g} bytes per device and none could be "
-            f"priced{f' ({plain})' if plain else ''}; use more devices or a larger memory_limit_bytes."
+            f"priced{f' ({plain})' if plain else ''}; use more devices or a larger "
+            f"memory_limit_bytes.{_unrolled_hint(graph)}",
+            bound_bytes=limit,
         )
     q = min(sized, key=lambda q: q.candidate.memory_bytes_per_device)
     need = q.candidate.memory_bytes_per_device
@@ -1079,8 +1090,23 @@ def _infeasible(
         f"device: the smallest footprint found is {need:.4g} bytes ({need / 2**30:.3f} GiB, "
         f"{need / limit - 1:+.1%}, {need - limit:.4g} bytes over), with {q.label} (the levers "
         "tried: pipeline stages, stage remat none/full, microbatches, the model-parallel group "
-        "inside a node). Use more devices, a smaller batch, or a larger memory_limit_bytes.",
+        f"inside a node). Use more devices, a smaller batch, or a larger memory_limit_bytes."
+        f"{_unrolled_hint(graph)}",
         smallest_bytes=need,
         bound_bytes=limit,
         closest=q.label,
+    )
+
+
+def _unrolled_hint(graph: Graph | None) -> str:
+    """For a step whose layers are mostly unrolled: a pipeline splits only a scanned
+    stack's state over ``pipe`` (:func:`autopar.search.interop.pipe_share`), so each stage
+    holds every unrolled layer's."""
+    if graph is None or len(graph.layers) < 2 or pipe_share(graph) >= 0.5:
+        return ""
+    return (
+        f" The step's {len(graph.layers)} layers are unrolled, and a pipeline splits only a "
+        "scanned layer stack over 'pipe': every stage holds every unrolled layer's "
+        "parameters and optimizer state. Scanning the layers (flax.linen.scan, or "
+        "jax.lax.scan over stacked layer parameters) lets the stages hold 1/pipe each."
     )

@@ -135,6 +135,50 @@ def test_screen_memory_in_flight_and_remat():
     assert again.step_time_s == pytest.approx((8 + 3) * (1.0 + 2.0 + 1.0) / 4)
 
 
+def test_screen_keeps_what_pipe_does_not_split_whole_on_every_stage():
+    # A quarter of the state in a scanned stack (split over 4 stages), the rest whole on
+    # each: 8e9 x (1/4 / 4 + 3/4) = 6.5e9 bytes a device. The update (4 s) splits the same
+    # way: 4 x 13/16 = 3.25 s against 1 s when everything splits.
+    def prof(share: float, grads: float = 0.0, update: float = 4.0) -> Profile:
+        return Profile({}, 1, 1.0, 2.0, update, 8e9, grads, 0.0, 0.0, pipe_share=share)
+
+    config = PipelineConfig(4, {}, 1, 8, 1)
+    split, quarter = screen(config, prof(1.0), TWO_NODES), screen(config, prof(0.25), TWO_NODES)
+    assert split.memory_bytes == pytest.approx(8e9 / 4)
+    assert quarter.memory_bytes == pytest.approx(6.5e9)
+    assert quarter.step_time_s - split.step_time_s == pytest.approx(3.25 - 1.0)
+    # The whole part's gradients (3/4 of 1e9 bytes) are all-reduced over pipe once a step.
+    from autopar.search.costs import CostContext
+
+    ar = CostContext(TWO_NODES, config.mesh).collective("all-reduce", 0.75e9, ("pipe",)).time_s
+    assert ar > 0
+    with_grads = screen(config, prof(0.25, 1e9, 0.0), TWO_NODES).step_time_s
+    without = screen(config, prof(0.25, 0.0, 0.0), TWO_NODES).step_time_s
+    assert with_grads - without == pytest.approx(ar)
+    # One stage: nothing is split or summed over pipe.
+    one = PipelineConfig(1, {}, 1, 8, 1)
+    assert screen(one, prof(0.25), TWO_NODES).memory_bytes == pytest.approx(8e9)
+
+
+def test_pipe_share_is_the_scanned_stack_share_of_the_state():
+    from autopar.search.interop import pipe_share
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+
+    # Expected from the parameter tree: the scanned block's bytes over all parameters'
+    # (Adam's moments mirror the parameters, so they do not move the fraction).
+    state = _gpt()[1][0]
+    params = state.params if hasattr(state, "params") else state["params"]
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    size = {jax.tree_util.keystr(k): x.size * x.dtype.itemsize for k, x in leaves}
+    block = sum(b for k, b in size.items() if "'h'" in k)
+    assert 0 < block < sum(size.values())
+    assert pipe_share(_graph()) == pytest.approx(block / sum(size.values()), rel=1e-4)
+    # Unrolled layers are whole on every stage: nothing is split.
+    cfg = GPTConfig.preset("tiny", precision="fp32", layers=LAYERS, scan_layers=False)
+    step, args = make_train_step(cfg, BATCH)
+    assert pipe_share(autopar.trace(step, *args)) == 0.0
+
+
 def test_two_node_search_picks_a_pipeline_when_asked_and_runs_it():
     step, args = _gpt()
     plan = autopar.plan(step, *args, cluster=TWO_NODES, options=SearchOptions(pipeline_stages=2))
@@ -184,6 +228,20 @@ def test_nothing_fits_names_the_smallest_footprint_and_the_levers():
     assert e.value.bound_bytes == 1000 and e.value.smallest_bytes > 1000
     assert e.value.closest and e.value.closest in msg
     assert "remat" in msg and "pipeline stages" in msg and "microbatches" in msg
+    assert "unrolled" not in msg  # a scanned stack: the stages split it
+
+
+def test_nothing_fits_with_unrolled_layers_says_to_scan_them():
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+
+    cfg = GPTConfig.preset("tiny", precision="fp32", layers=LAYERS, scan_layers=False)
+    step, args = make_train_step(cfg, BATCH)
+    with pytest.raises(InfeasiblePlanError) as e:
+        autopar.plan(step, *args, cluster=TWO_NODES, options=SearchOptions(memory_limit_bytes=1000))
+    msg = str(e.value)
+    assert e.value.bound_bytes == 1000 and e.value.smallest_bytes > 1000
+    assert "smallest footprint" in msg
+    assert f"{LAYERS} layers are unrolled" in msg and "flax.linen.scan" in msg
 
 
 def test_an_expert_model_gets_expert_groups():
