@@ -260,7 +260,7 @@ def pipe_share(graph: Graph) -> float:
 
     state = {gi.value: gi for gi in graph.inputs if gi.role in ("param", "opt_state")}
     total = sum(gi.tensor.nbytes for gi in state.values())
-    if not total:
+    if not total or not any(layer.kind == "scan" for layer in graph.layers):
         return 0.0
     producer = {v: n for n in graph.nodes for v in n.outputs}
     stacked: set[int] = set()

@@ -1099,10 +1099,10 @@ def _infeasible(
 
 
 def _unrolled_hint(graph: Graph | None) -> str:
-    """For a step whose layers are mostly unrolled: a pipeline splits only a scanned
-    stack's state over ``pipe`` (:func:`autopar.search.interop.pipe_share`), so each stage
-    holds every unrolled layer's."""
-    if graph is None or len(graph.layers) < 2 or pipe_share(graph) >= 0.5:
+    """For a step whose layers are unrolled (none is a scan): a pipeline splits only a
+    scanned stack's state over ``pipe`` (:func:`autopar.search.interop.pipe_share`), so
+    each stage holds every unrolled layer's."""
+    if graph is None or len(graph.layers) < 2 or any(x.kind == "scan" for x in graph.layers):
         return ""
     return (
         f" The step's {len(graph.layers)} layers are unrolled, and a pipeline splits only a "
