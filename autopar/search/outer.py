@@ -904,7 +904,7 @@ def plan_outer(
             priced.append(_screened_only(screened[i], scale))
     fitting = [q for q in priced if _fits(q, limit)]
     if not fitting:
-        raise _infeasible(priced, limit, plain_error, graph)
+        raise _infeasible(priced, limit, plain_error, graph, cluster)
     best = min(fitting, key=lambda q: q.candidate.step_time_s)
     others = [q.candidate for q in priced if q is not best]
     short = rank(best.candidate, others, limit)
@@ -1063,10 +1063,13 @@ def _unfit(c: PipelineConfig, why: str):
 
 
 def _infeasible(
-    priced: list[_Priced], limit: float, plain: AutoparError | None, graph: Graph | None = None
-) -> InfeasiblePlanError:
+    priced: list[_Priced], limit: float, plain: AutoparError | None, graph: Graph | None = None,
+    cluster: Any = None,
+) -> InfeasiblePlanError:  # fmt: skip
     """Nothing fits: the smallest footprint priced, the bound, and the closest levers (and,
-    for layers the pipeline cannot split, how to let it)."""
+    for layers the pipeline cannot split or a device count the state cannot split by, what
+    would)."""
+    hint = _unrolled_hint(graph) + _factor_hint(graph, cluster)
     sized = [q for q in priced if q.candidate.memory_bytes_per_device is not None]
     if not sized:
         if isinstance(plain, InfeasiblePlanError) and plain.smallest_bytes is not None:
@@ -1074,13 +1077,13 @@ def _infeasible(
             # plan got as far as one.
             return plain.restated(
                 f"{plain} No pipeline or microbatched plan could be laid out under the bound "
-                f"either.{_unrolled_hint(graph)}",
+                f"either.{hint}",
                 limit,
             )
         return InfeasiblePlanError(
             f"no plan fits the memory bound of {limit:.4g} bytes per device and none could be "
             f"priced{f' ({plain})' if plain else ''}; use more devices or a larger "
-            f"memory_limit_bytes.{_unrolled_hint(graph)}",
+            f"memory_limit_bytes.{hint}",
             bound_bytes=limit,
         )
     q = min(sized, key=lambda q: q.candidate.memory_bytes_per_device)
@@ -1091,7 +1094,7 @@ def _infeasible(
         f"{need / limit - 1:+.1%}, {need - limit:.4g} bytes over), with {q.label} (the levers "
         "tried: pipeline stages, stage remat none/full, microbatches, the model-parallel group "
         f"inside a node). Use more devices, a smaller batch, or a larger memory_limit_bytes."
-        f"{_unrolled_hint(graph)}",
+        f"{hint}",
         smallest_bytes=need,
         bound_bytes=limit,
         closest=q.label,
@@ -1109,4 +1112,58 @@ def _unrolled_hint(graph: Graph | None) -> str:
         "scanned layer stack over 'pipe': every stage holds every unrolled layer's "
         "parameters and optimizer state. Scanning the layers (flax.linen.scan, or "
         "jax.lax.scan over stacked layer parameters) lets the stages hold 1/pipe each."
+    )
+
+
+def _prime_powers(n: int) -> dict[int, int]:
+    """``n``'s prime factorisation, prime -> its largest power dividing ``n``.
+
+    Example:
+        >>> _prime_powers(992)
+        {2: 32, 31: 31}
+    """
+    out: dict[int, int] = {}
+    q = 2
+    while q * q <= n:
+        while n % q == 0:
+            out[q] = out.get(q, 1) * q
+            n //= q
+        q += 1
+    if n > 1:
+        out[n] = out.get(n, 1) * n
+    return out
+
+
+def _unsplittable(graph: Graph, n: int) -> list[int]:
+    """The prime factors of ``n`` whose power in ``n`` divides no dim of most of the state
+    (parameters and optimizer state, by bytes): an axis that has them cannot split that
+    state evenly, and JAX shards only evenly."""
+    state = [gi.tensor for gi in graph.inputs if gi.role in ("param", "opt_state")]
+    total = sum(t.nbytes for t in state)
+    out = []
+    for q, qe in _prime_powers(n).items():
+        split = sum(t.nbytes for t in state if any(d % qe == 0 for d in t.shape))
+        if total and split < total / 2:
+            out.append(q)
+    return out
+
+
+def _factor_hint(graph: Graph | None, cluster: Any) -> str:
+    """For a device count with a prime factor the state cannot be split by (OPT-175B on
+    992 = 2^5 x 31 A100s: 31 divides no weight dim): that factor, and the largest device
+    count below (whole nodes) without such a factor."""
+    if graph is None or cluster is None:
+        return ""
+    n, per = cluster.num_devices, max(1, cluster.devices_per_node)
+    bad = _unsplittable(graph, n)
+    if not bad:
+        return ""
+    fits = next((k for k in range(n - n % per, 0, -per) if not _unsplittable(graph, k)), None)
+    factors = " x ".join(str(qe) for qe in _prime_powers(n).values())
+    named = ", ".join(str(q) for q in bad)
+    return (
+        f" The {n} devices ({factors}) have the factor {named}, which divides no dimension of "
+        "most of the parameters and optimizer state: an axis of that size cannot split them "
+        "(JAX shards only evenly), so they stay whole over it."
+        + (f" {fits} devices ({fits // per} nodes) have no such factor." if fits else "")
     )

@@ -244,6 +244,18 @@ def test_nothing_fits_with_unrolled_layers_says_to_scan_them():
     assert f"{LAYERS} layers are unrolled" in msg and "flax.linen.scan" in msg
 
 
+def test_a_device_count_the_state_cannot_split_by_is_named():
+    from autopar.search.outer import _factor_hint, _prime_powers
+
+    assert _prime_powers(992) == {2: 32, 31: 31} and _prime_powers(3072) == {2: 1024, 3: 3}
+    # The tiny GPT's state dims are powers of two (hidden 64, ffn 256, vocab 256, 4
+    # layers): 7 devices (one a node) split none of it; 6 = 2 x 3 neither (3); 4 can.
+    seven = Cluster.preset("dgx-a100-80gb", nodes=7, devices_per_node=1)
+    hint = _factor_hint(_graph(), seven)
+    assert "factor 7," in hint and "4 devices (4 nodes)" in hint
+    assert _factor_hint(_graph(), TWO_NODES) == ""  # 8 devices split every dim of 64
+
+
 def test_an_expert_model_gets_expert_groups():
     from benchmarks.models.moe import MoEConfig, make_train_step
 
