@@ -89,6 +89,7 @@ _RESCUES = 2  # more, smallest screened footprint first, when no finalist fits
 _PER_SHAPE = 2  # at most this many finalists share a stage count and model group
 _TIGHTEN = 2  # inner solves per finalist, the second under a bound tightened by the excess
 _TIGHTER = 0.85  # ... to this fraction of what would just fit
+_LEVER_FAILURES = 3  # screened ZeRO-1 variants not laid out before the lever is dropped
 _FLOOR_SLACK = 1e-3  # a bound under the smallest footprint retries just over it
 _SCREEN_SLACK = 1.10  # a screened footprint up to this over the bound may still fit
 _UNTRACED = 0.02  # screened-time handicap of a microbatch count not traced yet (its trace
@@ -124,7 +125,8 @@ class PipelineConfig:
         remat: stage rematerialisation, ``"none"`` or ``"full"``.
         zero_stage: the ZeRO stage of the data replicas (1 or 2 split the optimizer
             state over ``data``, 3 the parameters too), inside the stages of a pipeline as
-            without; ``None``: searched (what the stages' intra-op layouts split).
+            without; ``None``: searched (:func:`screen` gives a pipeline ZeRO-1 when its
+            stage fits with it and not without).
 
     Example:
         >>> c = PipelineConfig(4, {"tensor": 8}, 2, 16, 1, "1f1b", 1, "full")
@@ -422,15 +424,22 @@ def screen(
         state = prof.state_bytes * (split + 1 - prof.pipe_share)
         return Screened(config, step, mems[worst], mems[worst] - state, stages)
     state = prof.state_bytes * keep
-    if p > 1 and c.data > 1 and c.zero_stage:
-        # A fixed ZeRO stage inside the stages: the optimizer state (and at stage 3 the
-        # parameters) split over the data replicas. Searched (None), the stages' intra-op
-        # layouts split state over data where their bound needs it; a ZeRO-1 lever here
-        # (taken when a stage fits with it and not without) found GPT-NeoX 20B's published
-        # layout (+6%) but its variants, priced far over this lower bound and teaching no
-        # scale when nothing fits, took the finalists' places on 1T GPT (-10%).
-        share = prof.optimizer_share + (prof.param_share if c.zero_stage == 3 else 0.0)
-        state *= 1 - share * (1 - 1 / c.data)
+    if p > 1 and c.data > 1 and c.zero_stage != 0:
+        # ZeRO inside the stages: the optimizer state (and at stage 3 the parameters)
+        # split over the data replicas. Searched (None), ZeRO-1 is a memory lever: taken
+        # when the stage does not fit without it and does with it, within the bound (the
+        # screen's slack let variants that price over it take every finalist's place).
+        # A variant whose stages cannot be laid out bars its group's other variants
+        # (plan_outer): on 1T GPT five of them, none laid out, kept the best plan from
+        # being priced.
+        zero = c.zero_stage
+        if zero is None and limit is not None and state + held > limit:
+            cut = state * (1 - prof.optimizer_share * (1 - 1 / c.data))
+            zero = 1 if cut + held <= limit else None
+        if zero:
+            share = prof.optimizer_share + (prof.param_share if zero == 3 else 0.0)
+            state *= 1 - share * (1 - 1 / c.data)
+            config = replace(config, zero_stage=zero)
     if p == 1 and c.data > 1:
         # Without a pipeline the intra-op search may split the state over the data
         # replicas too (ZeRO / FSDP, what the bound makes it do): at best a replica holds
@@ -845,6 +854,8 @@ def plan_outer(
         # memory has its other configurations' memory scaled by that excess before the
         # next pick (the screen's state is a lower bound).
         taken: set[int] = set()
+        barred: set[int] = set()  # ZeRO lever variants of a group whose stages failed
+        wasted = 0  # lever variants not laid out: they take no finalist's place
         per: dict[tuple, int] = {}
         scale: dict[tuple, float] = {}
         # At least _FEWEST finalists; up to FINALISTS while none priced fits, or while
@@ -855,14 +866,14 @@ def plan_outer(
         # that fits.
         ratios: dict[bool, list[float]] = {}
         plain_ratios = _plain_ratios(priced, profiles, cluster, batch)
-        while len(taken) < FINALISTS + _RESCUES:
+        while len(taken) - wasted < FINALISTS + _RESCUES:
             # Past FINALISTS with nothing that fits: the smallest footprints (rescues).
-            rescue = len(taken) >= FINALISTS
+            rescue = len(taken) - wasted >= FINALISTS
             if rescue and any(_fits(q, limit) for q in priced):
                 break
             slower = {k: sum(r) / len(r) for k, r in ratios.items()}
             i = _next_finalist(
-                screened, limit, taken, {} if rescue else per, scale, rescue, slower,
+                screened, limit, taken | barred, {} if rescue else per, scale, rescue, slower,
                 traced=set(accs),
             )  # fmt: skip
             if i is None:
@@ -876,7 +887,7 @@ def plan_outer(
             floor = _screen_floor(s, ratios, plain_ratios)
             if solved >= _FEWEST and fit and _cannot_win(s, floor, min(fit)):
                 break
-            if len(taken) >= _FEWEST and fit and ratios:
+            if len(taken) - wasted >= _FEWEST and fit and ratios:
                 if s.step_time_s * slower.get(s.config.pipe > 1, 1.0) >= min(fit):
                     break
             taken.add(i)
@@ -886,6 +897,22 @@ def plan_outer(
                 scale.get(_memory_key(s.config), 1.0), accs,
             )  # fmt: skip
             priced.append(q)
+            if options.zero_stage is None and s.config.zero_stage and q.plan is None:
+                # The screen's ZeRO lever, not laid out. It teaches nothing (no
+                # footprint) and takes no finalist's place: on 1T GPT five such variants
+                # (pipe 16-64) kept the best plan from being priced. Its group's variants
+                # with as few stages or fewer (as much state a stage, or more) would fail
+                # the same way; after _LEVER_FAILURES, every variant is dropped.
+                wasted += 1
+                per[_shape(s.config)] -= 1
+                barred.update(
+                    j for j, t in enumerate(screened)
+                    if t.config.zero_stage and (
+                        wasted >= _LEVER_FAILURES
+                        or (t.config.pipe <= s.config.pipe
+                            and _memory_key(t.config) == _memory_key(s.config))
+                    )
+                )  # fmt: skip
             if q.candidate.step_time_s is not None and s.step_time_s > 0:
                 kind = ratios.setdefault(s.config.pipe > 1, [])
                 kind.append(q.candidate.step_time_s / s.step_time_s)
@@ -897,7 +924,7 @@ def plan_outer(
         # The shortlist holds at least FINALISTS candidates: the next screened ones fill
         # it, marked as screened only (their estimates, not a full price).
         while len(priced) < FINALISTS:
-            i = _next_finalist(screened, limit, taken, {}, scale)
+            i = _next_finalist(screened, limit, taken | barred, {}, scale)
             if i is None:
                 break
             taken.add(i)
@@ -993,8 +1020,10 @@ def _price(
             c.remat, inner, acc, limit, stages=screened.stages,
         )  # fmt: skip
 
-    # A fixed ZeRO stage (``options.zero_stage``, as ``c.zero_stage``) is a layout the
+    # A ZeRO stage (fixed, ``options.zero_stage``, or the screen's lever) is a layout the
     # stages' intra-op search gives them, data-only stages included.
+    if c.zero_stage is not None and options.zero_stage is None:
+        options = replace(options, zero_stage=c.zero_stage)
     if not c.model and not (c.zero_stage and c.data > 1):
         plan, ev = priced(None)  # data parallel inside the stages
         return _Priced(c.label, plan, ev, candidate(c.label, c.mesh, ev))

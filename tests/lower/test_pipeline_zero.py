@@ -131,3 +131,21 @@ def test_a_zero_pipeline_that_cannot_fit_says_by_how_much():
     assert info.value.bound_bytes == 1000
     assert "fits the bound of 1000 bytes per device" in str(info.value)
     assert "zero_stage=1" in str(info.value)
+
+
+def test_screen_takes_zero_1_as_a_lever_only_when_it_makes_the_stage_fit():
+    # 8 GB of state, half of it optimizer state, on 4 stages: 2 GB a stage without ZeRO;
+    # ZeRO-1 over 2 replicas halves the optimizer's half: 1.5 GB.
+    prof = Profile({}, 1, 1.0, 2.0, 0.0, 8e9, 0.0, 0.0, 0.0, optimizer_share=0.5)
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=2, devices_per_node=4)
+    searched = PipelineConfig(4, {}, 2, 8, 1)
+    assert searched.zero_stage is None
+    roomy = screen(searched, prof, cluster, 3e9)  # fits without: no ZeRO
+    assert roomy.config.zero_stage is None and roomy.memory_bytes == pytest.approx(2e9)
+    tight = screen(searched, prof, cluster, 1.6e9)  # fits only with ZeRO-1
+    assert tight.config.zero_stage == 1 and tight.memory_bytes == pytest.approx(1.5e9)
+    assert tight.config.label.endswith("ZeRO-1")
+    hopeless = screen(searched, prof, cluster, 1.2e9)  # fits with neither: left as is
+    assert hopeless.config.zero_stage is None and hopeless.memory_bytes == pytest.approx(2e9)
+    fixed = screen(PipelineConfig(4, {}, 2, 8, 1, zero_stage=0), prof, cluster, 1.6e9)
+    assert fixed.config.zero_stage == 0 and fixed.memory_bytes == pytest.approx(2e9)
