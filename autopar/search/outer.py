@@ -339,9 +339,16 @@ def configurations(
 
 
 def screen(
-    config: PipelineConfig, prof: Profile, cluster: Any, limit: float | None = None
+    config: PipelineConfig,
+    prof: Profile,
+    cluster: Any,
+    limit: float | None = None,
+    *,
+    lever: bool = True,
 ) -> Screened:
-    """A configuration's step time and peak memory per device from its group's profile.
+    """A configuration's step time and peak memory per device from its group's profile
+    (``lever``: a pipeline with its ZeRO stage left open takes ZeRO-1 when its stage fits
+    ``limit`` with it and not without; the result's ``config`` says so).
 
     Example: 4 stages, 8 microbatches of 1, one example's forward 1 s, backward 2 s.
 
@@ -433,7 +440,7 @@ def screen(
         # its group's variants with as few stages (plan_outer): on 1T GPT five of them,
         # none laid out, had kept the best plan from being priced.
         zero = c.zero_stage
-        if zero is None and limit is not None and state + held > limit:
+        if zero is None and lever and limit is not None and state + held > limit:
             cut = state * (1 - prof.optimizer_share * (1 - 1 / c.data))
             zero = 1 if cut + held <= limit else None
         if zero:
@@ -845,17 +852,19 @@ def plan_outer(
         # A microbatch smaller than the profiled one may not split (at one example,
         # shapes lose the batch dim's reductions): those are left out.
         smallest = batch_size(acc1.micro)
-        screened = [
-            screen(c, profiles[tuple(sorted(c.model.items()))], cluster, limit)
+        configs = [
+            c
             for c in configurations(graph, cluster, options, groups)
             if c.data * c.microbatch_size >= smallest
+        ]
+        screened = [
+            screen(c, profiles[tuple(sorted(c.model.items()))], cluster, limit) for c in configs
         ]
         # Finalists one at a time: a group whose finalist priced over its screened
         # memory has its other configurations' memory scaled by that excess before the
         # next pick (the screen's state is a lower bound).
         taken: set[int] = set()
-        barred: set[int] = set()  # ZeRO lever variants of a group whose stages failed
-        wasted = 0  # lever variants not laid out: they take no finalist's place
+        failures = 0  # the screen's ZeRO-1 variants whose stages could not be laid out
         per: dict[tuple, int] = {}
         scale: dict[tuple, float] = {}
         # At least _FEWEST finalists; up to FINALISTS while none priced fits, or while
@@ -866,14 +875,14 @@ def plan_outer(
         # that fits.
         ratios: dict[bool, list[float]] = {}
         plain_ratios = _plain_ratios(priced, profiles, cluster, batch)
-        while len(taken) - wasted < FINALISTS + _RESCUES:
+        while len(taken) < FINALISTS + _RESCUES:
             # Past FINALISTS with nothing that fits: the smallest footprints (rescues).
-            rescue = len(taken) - wasted >= FINALISTS
+            rescue = len(taken) >= FINALISTS
             if rescue and any(_fits(q, limit) for q in priced):
                 break
             slower = {k: sum(r) / len(r) for k, r in ratios.items()}
             i = _next_finalist(
-                screened, limit, taken | barred, {} if rescue else per, scale, rescue, slower,
+                screened, limit, taken, {} if rescue else per, scale, rescue, slower,
                 traced=set(accs),
             )  # fmt: skip
             if i is None:
@@ -887,7 +896,7 @@ def plan_outer(
             floor = _screen_floor(s, ratios, plain_ratios)
             if solved >= _FEWEST and fit and _cannot_win(s, floor, min(fit)):
                 break
-            if len(taken) - wasted >= _FEWEST and fit and ratios:
+            if len(taken) >= _FEWEST and fit and ratios:
                 if s.step_time_s * slower.get(s.config.pipe > 1, 1.0) >= min(fit):
                     break
             taken.add(i)
@@ -900,19 +909,21 @@ def plan_outer(
             if options.zero_stage is None and s.config.zero_stage and q.plan is None:
                 # The screen's ZeRO lever, not laid out. It teaches nothing (no
                 # footprint) and takes no finalist's place: on 1T GPT five such variants
-                # (pipe 16-64) kept the best plan from being priced. Its group's variants
-                # with as few stages or fewer (as much state a stage, or more) would fail
-                # the same way; after _LEVER_FAILURES, every variant is dropped.
-                wasted += 1
+                # (pipe 16-64) kept the best plan from being priced. It and its group's
+                # variants with as few stages or fewer (as much state a stage, or more)
+                # go back to their screen without the lever; after _LEVER_FAILURES, every
+                # variant does.
+                failures += 1
+                taken.discard(i)
                 per[_shape(s.config)] -= 1
-                barred.update(
-                    j for j, t in enumerate(screened)
-                    if t.config.zero_stage and (
-                        wasted >= _LEVER_FAILURES
+                for j, t in enumerate(screened):
+                    if t.config.zero_stage and j not in taken and (
+                        failures >= _LEVER_FAILURES
                         or (t.config.pipe <= s.config.pipe
                             and _memory_key(t.config) == _memory_key(s.config))
-                    )
-                )  # fmt: skip
+                    ):  # fmt: skip
+                        prof = profiles[tuple(sorted(configs[j].model.items()))]
+                        screened[j] = screen(configs[j], prof, cluster, limit, lever=False)
             if q.candidate.step_time_s is not None and s.step_time_s > 0:
                 kind = ratios.setdefault(s.config.pipe > 1, [])
                 kind.append(q.candidate.step_time_s / s.step_time_s)
@@ -924,7 +935,7 @@ def plan_outer(
         # The shortlist holds at least FINALISTS candidates: the next screened ones fill
         # it, marked as screened only (their estimates, not a full price).
         while len(priced) < FINALISTS:
-            i = _next_finalist(screened, limit, taken | barred, {}, scale)
+            i = _next_finalist(screened, limit, taken, {}, scale)
             if i is None:
                 break
             taken.add(i)
