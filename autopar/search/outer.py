@@ -436,9 +436,10 @@ def screen(
         # split over the data replicas. Searched (None), ZeRO-1 is a memory lever: taken
         # when the stage does not fit without it and does with it, within the bound (the
         # screen's slack let variants that price over it take every finalist's place).
-        # A variant whose stages cannot be laid out takes no finalist's place and bars
-        # its group's variants with as few stages (plan_outer): on 1T GPT five of them,
-        # none laid out, had kept the best plan from being priced.
+        # A variant whose stages cannot be laid out takes no finalist's place and goes
+        # back, with its group's variants with as few stages, to its screen without the
+        # lever (``lever=False``, plan_outer): on 1T GPT five of them, none laid out, had
+        # kept the best plan from being priced.
         zero = c.zero_stage
         if zero is None and lever and limit is not None and state + held > limit:
             cut = state * (1 - prof.optimizer_share * (1 - 1 / c.data))
