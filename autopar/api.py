@@ -131,18 +131,19 @@ def _plan_graph(
     if pipe > 1 and not isinstance(fn, Graph):
         return _plan_pipeline(fn, args, graph, cluster, options, m if m > 1 else 2 * pipe)
     if options.mesh is None and not isinstance(fn, Graph) and _may_pipeline(graph, options):
-        # One node's intra-op search first; the memory levers (pipeline stages, stage
-        # remat, microbatches) only when nothing fits without them.
-        try:
-            return (
-                plan_graph(graph, cluster, options)
-                if m == 1
-                else _plan_accumulated(fn, args, graph, cluster, options, m)
-            )
-        except InfeasiblePlanError:
-            from autopar.search.outer import plan_outer
+        # The intra-op search first; the memory levers (pipeline stages, stage remat,
+        # microbatches) only when nothing fits without them.
+        from autopar.search.outer import plain_options, plan_outer, with_levers
 
-            return plan_outer(fn, args, graph, cluster, options)
+        if m > 1:
+            try:
+                return _plan_accumulated(fn, args, graph, cluster, options, m)
+            except InfeasiblePlanError:
+                return plan_outer(fn, args, graph, cluster, options)
+        try:
+            return with_levers(plan_graph(graph, cluster, plain_options(options)), graph)
+        except InfeasiblePlanError as e:  # searched once: the outer loop does not again
+            return plan_outer(fn, args, graph, cluster, options, plain_error=e)
     return _plan_accumulated(fn, args, graph, cluster, options, m)
 
 
@@ -159,7 +160,17 @@ def _may_pipeline(graph: Graph, options: SearchOptions) -> bool:
 def _searches_pipelines(fn: Callable | Graph, graph: Graph, cluster: Any, options: Any) -> bool:
     """The 4D outer loop (:func:`autopar.search.outer.plan_outer`) plans the step when the
     mesh is open and the cluster spans nodes, or the options ask for a pipeline or its
-    levers (stages, a schedule, stage remat) without fixing the mesh."""
+    levers (stages, a schedule, stage remat) without fixing the mesh.
+
+    Across nodes only when a pipeline splits some of the state (a scanned layer stack,
+    :func:`autopar.search.interop.pipe_share`): then its stages hold and update less,
+    and reduce fewer gradients over ``data``, than a whole-cluster mesh, and may beat it.
+    Without one, as on one node, pipelines and microbatches are memory levers only: every
+    stage holds, updates and all-reduces the whole state, and a device does the same
+    work a microbatch at a time, plus a bubble. They are searched when nothing fits
+    without them (a 48-block encoder-decoder on two nodes: 10 of its 25 s planning went
+    to tracing a microbatch and profiling stages the screen then ruled out).
+    """
     if options.mesh is not None or isinstance(fn, Graph) or not _may_pipeline(graph, options):
         return False
     asks = (
@@ -167,7 +178,11 @@ def _searches_pipelines(fn: Callable | Graph, graph: Graph, cluster: Any, option
         or options.schedule is not None
         or (options.remat not in (None, "none"))
     )
-    return asks or cluster.num_nodes > 1
+    if asks:
+        return True
+    from autopar.search.interop import pipe_share
+
+    return cluster.num_nodes > 1 and pipe_share(graph) > 0
 
 
 def _plan_accumulated(

@@ -103,6 +103,8 @@ __all__ = [
     "Profile",
     "Screened",
     "configurations",
+    "plain_options",
+    "with_levers",
     "plan_outer",
     "price_pipeline",
     "screen",
@@ -780,12 +782,77 @@ class _Priced:
     candidate: Any
 
 
+def plain_options(options: SearchOptions) -> SearchOptions:
+    """The options of the intra-op search over the whole cluster that competes with the
+    outer loop's configurations: no pipeline, no microbatches, none of their levers.
+
+    Example:
+        >>> plain_options(SearchOptions(axes=("pipe", "data"), remat="full")).axes
+        ('data',)
+    """
+    axes = tuple(a for a in options.axes if a != "pipe") if options.axes else None
+    return replace(
+        options, axes=axes or None, pipeline_stages=None, schedule=None,
+        virtual_stages=None, remat=None, microbatch_size=None,
+    )  # fmt: skip
+
+
+def with_levers(plan: Plan, graph: Graph) -> Plan:
+    """``plan`` (the intra-op search's, which fits) with its shortlist filled to
+    :data:`FINALISTS` by the memory levers left unsearched because it fits without them
+    (:func:`autopar.api.plan` searches them only then): its mesh with ``k`` microbatches,
+    and with ``k`` pipeline stages in place of ``k`` data replicas, for ``k`` = 2, 4, ...
+    Each says why it was not
+    priced: a pipeline cannot split an unrolled stack's state (``pipe_share`` 0), so every
+    stage would hold, update and all-reduce all of it; a device's work is the same
+    either way, plus a bubble and a reduction per microbatch.
+
+    Example:
+        >>> p = with_levers(replace(plan, shortlist=plan.shortlist[:1]), graph)
+        >>> plan.mesh, [c.label for c in p.shortlist[1:3]]   # a batch of 64
+        ({'data': 2, 'tensor': 4}, ['data 2 x tensor 4, 2 microbatches of 16', 'pipe 2 x tensor 4, 1f1b, 2 microbatches of 32, remat none'])
+    """
+    from autopar.search.shortlist import unsolved
+
+    if len(plan.shortlist) >= FINALISTS or not plan.mesh:
+        return plan
+    mesh = dict(plan.mesh)
+    data = mesh.pop("data", 1)
+    batch = batch_size(graph)
+    if batch % data:
+        return plan
+    per = batch // data  # examples per replica
+    why = "a memory lever, searched only when no plan fits without it: " + (
+        "no layer stack is scanned, so every stage would hold, update and all-reduce the "
+        "whole state, and a device does the same work a microbatch at a time"
+        if pipe_share(graph) == 0
+        else "inside one node the whole mesh's collectives are fast and a pipeline adds a bubble"
+    )
+    levers = []
+    k = 2
+    while k <= max(per, data):
+        if per % k == 0:
+            levers.append(PipelineConfig(1, mesh, data, k, per // k))
+        if data % k == 0 and len(graph.layers) >= k:
+            levers.append(PipelineConfig(k, mesh, data // k, k, per))
+        k *= 2
+    extra = tuple(unsolved(c.label, c.mesh, why) for c in levers)
+    return replace(plan, shortlist=plan.shortlist + extra[: FINALISTS - len(plan.shortlist)])
+
+
 def plan_outer(
-    fn: Callable, args: tuple, graph: Graph, cluster: Any, options: SearchOptions
+    fn: Callable,
+    args: tuple,
+    graph: Graph,
+    cluster: Any,
+    options: SearchOptions,
+    *,
+    plain_error: InfeasiblePlanError | None = None,
 ) -> Plan:
     """The whole plan for ``fn(*args)`` (traced: ``graph``) on ``cluster``: pipeline or
     not, the group inside the stages, microbatches, schedule, remat (see the module
-    docstring).
+    docstring). ``plain_error``: the intra-op search over the whole cluster
+    (:func:`plain_options`) ran already and found nothing that fits; it is not run again.
 
     Raises:
         InfeasiblePlanError: nothing priced fits the memory bound; the message names the
@@ -800,17 +867,15 @@ def plan_outer(
     batch = batch_size(graph)
     groups = model_groups(graph, cluster, options)
     priced: list[_Priced] = []
-    plain_error: InfeasiblePlanError | None = None
     accs: dict[int, Any] = {}  # microbatch count -> the step's accumulation, traced once
     with SearchProgress(len(groups) + FINALISTS + 1, "plan") as bar:
-        if options.pipeline_stages in (None, 1) and options.microbatches in (None, 1):
-            axes = tuple(a for a in options.axes if a != "pipe") if options.axes else None
-            plain = replace(
-                options, axes=axes or None, pipeline_stages=None, schedule=None,
-                virtual_stages=None, remat=None, microbatch_size=None,
-            )  # fmt: skip
+        if (
+            plain_error is None
+            and options.pipeline_stages in (None, 1)
+            and options.microbatches in (None, 1)
+        ):
             try:
-                p0 = plan_graph(graph, cluster, plain)
+                p0 = plan_graph(graph, cluster, plain_options(options))
                 first = replace(p0.shortlist[0], verdict="")
                 priced.append(_Priced(first.label, p0, p0.predicted, first))
                 priced += [_Priced(c.label, None, None, c) for c in p0.shortlist[1:]]

@@ -244,6 +244,70 @@ def test_nothing_fits_with_unrolled_layers_says_to_scan_them():
     assert f"{LAYERS} layers are unrolled" in msg and "flax.linen.scan" in msg
 
 
+def _unrolled(batch: int = BATCH):
+    from benchmarks.models.gpt import GPTConfig, make_train_step
+
+    cfg = GPTConfig.preset("tiny", precision="fp32", layers=LAYERS, scan_layers=False)
+    return make_train_step(cfg, batch)
+
+
+def test_an_unrolled_step_that_fits_across_nodes_gets_the_intra_op_plan(monkeypatch):
+    import autopar.lower.split as split
+    import autopar.search.outer as outer
+
+    step, args = _unrolled()
+    graph = autopar.trace(step, *args)
+    # The intra-op search over the whole cluster, alone.
+    plain = plan_graph(graph, TWO_NODES, SearchOptions())
+
+    # The pipelined plan the outer loop prices when asked for two stages: every stage
+    # holds, updates and all-reduces the whole unrolled state, so it is no faster.
+    staged = autopar.plan(step, *args, cluster=TWO_NODES, options=SearchOptions(pipeline_stages=2))
+    assert staged.mesh["pipe"] == 2
+    assert staged.predicted.step_time_s >= plain.predicted.step_time_s
+
+    def never(*a, **k):
+        raise AssertionError("the levers are searched although the plan fits without them")
+
+    # Neither a microbatch is traced nor a stage profiled.
+    monkeypatch.setattr(split, "plan_accumulation", never)
+    monkeypatch.setattr(outer, "profile", never)
+    plan = autopar.plan(step, *args, cluster=TWO_NODES)
+    assert plan.mesh == plain.mesh and "pipe" not in plan.mesh and plan.pipeline is None
+    assert plan.predicted.step_time_s == pytest.approx(plain.predicted.step_time_s, rel=1e-9)
+    # The shortlist names the levers it left unsearched, and why.
+    assert len(plan.shortlist) >= 5
+    levers = [c for c in plan.shortlist if "no layer stack is scanned" in c.verdict]
+    assert levers and all(c.step_time_s is None for c in levers)
+    assert any(c.mesh.get("pipe") == 2 for c in levers)
+    assert any("2 microbatches" in c.label for c in levers)
+
+
+def test_an_unrolled_step_that_does_not_fit_is_searched_over_the_cluster_once(monkeypatch):
+    import autopar.search as search
+    import autopar.search.planner as planner
+
+    step, args = _unrolled()
+    whole = []  # the whole cluster's searches (no mesh fixed)
+
+    def counting(real):
+        def plan_graph(graph, cluster, options=None, **kw):
+            if options is None or options.mesh is None:
+                whole.append(options)
+            return real(graph, cluster, options, **kw)
+
+        return plan_graph
+
+    monkeypatch.setattr(search, "plan_graph", counting(search.plan_graph))
+    monkeypatch.setattr(planner, "plan_graph", counting(planner.plan_graph))
+    with pytest.raises(InfeasiblePlanError) as e:  # nothing fits 1000 bytes
+        autopar.plan(step, *args, cluster=TWO_NODES, options=SearchOptions(memory_limit_bytes=1000))
+    # The levers were searched after the whole cluster's search failed, which ran once,
+    # and its smallest footprint is kept.
+    assert len(whole) == 1
+    assert e.value.bound_bytes == 1000 and e.value.smallest_bytes > 1000
+
+
 def test_a_device_count_the_state_cannot_split_by_is_named():
     from autopar.search.outer import _factor_hint, _prime_powers
 
