@@ -802,10 +802,9 @@ def with_levers(plan: Plan, graph: Graph) -> Plan:
     :data:`FINALISTS` by the memory levers left unsearched because it fits without them
     (:func:`autopar.api.plan` searches them only then): its mesh with ``k`` microbatches,
     and with ``k`` pipeline stages in place of ``k`` data replicas, for ``k`` = 2, 4, ...
-    Each says why it was not
-    priced: a pipeline cannot split an unrolled stack's state (``pipe_share`` 0), so every
-    stage would hold, update and all-reduce all of it; a device's work is the same
-    either way, plus a bubble and a reduction per microbatch.
+    Each says why it was not priced: a pipeline cannot split an unrolled stack's state
+    (``pipe_share`` 0), so every stage would hold, update and all-reduce all of it; a
+    device's work is the same either way, plus a bubble and a reduction per microbatch.
 
     Example:
         >>> p = with_levers(replace(plan, shortlist=plan.shortlist[:1]), graph)
