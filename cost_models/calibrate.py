@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import math
 import os
 import statistics
 import time
@@ -69,33 +70,82 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+# Products (or passes) timed per compiled call. One dispatched call from Python costs
+# about 0.1-0.2 ms on a GPU host: on one H200 (2026-12-04), a call of one product timed
+# 0.10-0.13 ms for every square size up to 2048^3 (launches, not matmuls), and the fit
+# read a half-efficiency dimension of 4096 from them; 8 products a call still timed
+# 0.025-0.03 ms each up to 1024^3 (half_dim 3444). In a step, the products run inside
+# one program, so a call here holds at least _PER_CALL of them, and more for small ones:
+# enough for _CALL_S seconds at the device's peak, at most _MAX_PER_CALL products and
+# _CALL_BYTES of operands and results.
+_PER_CALL = 8
+_MAX_PER_CALL = 512
+_CALL_S = 2e-3
+_CALL_BYTES = 4 * 2**30
+
+
+def products_per_call(m: int, n: int, k: int, itemsize: int, peak_flops: float, cap: int) -> int:
+    """How many ``(m x k) @ (k x n)`` products one timed call runs: enough for
+    :data:`_CALL_S` at ``peak_flops``, between :data:`_PER_CALL` and ``cap``, within
+    :data:`_CALL_BYTES`.
+
+    Example:
+        >>> products_per_call(8192, 8192, 8192, 2, 989e12, 512)   # 1.1 TFLOP each
+        8
+        >>> products_per_call(1024, 1024, 1024, 2, 989e12, 512)   # 2.1 GFLOP, 6 MiB each
+        512
+        >>> products_per_call(8192, 8192, 128, 2, 989e12, 512)    # 132 MiB each
+        31
+    """
+    by_time = math.ceil(_CALL_S * peak_flops / (2.0 * m * n * k))
+    by_bytes = _CALL_BYTES // ((m * k + k * n + m * n) * itemsize)
+    return int(max(1, min(cap, by_bytes, max(_PER_CALL, by_time))))
+
+
 def bench_matmuls(
-    shapes: Sequence[tuple[int, int, int]], dtype: str, repeats: int
+    shapes: Sequence[tuple[int, int, int]],
+    dtype: str,
+    repeats: int,
+    peak_flops: float = 0.0,
+    max_per_call: int = _PER_CALL,
 ) -> list[MatmulSample]:
-    """Time ``(m x k) @ (k x n)`` for each shape."""
+    """Time ``(m x k) @ (k x n)`` for each shape: several products of distinct operands
+    in one compiled call (nothing for the compiler to share or merge; how many:
+    :func:`products_per_call`, at most ``max_per_call``), the call's median seconds over
+    ``repeats`` divided by their number.
+
+    Example:
+        >>> [s.seconds > 0 for s in bench_matmuls([(64, 32, 16)], "float32", 2)]
+        [True]
+    """
     import jax
     import jax.numpy as jnp
 
     out = []
-    f = jax.jit(jnp.matmul)
+    f = jax.jit(lambda pairs: [a @ b for a, b in pairs])
+    itemsize = jnp.dtype(dtype).itemsize
     for m, n, k in shapes:
+        count = products_per_call(m, n, k, itemsize, peak_flops, max_per_call)
         # constant operands: the values do not change the time, and building them costs no
-        # compilation (random.normal would compile once per shape)
-        a = jnp.full((m, k), 0.5, dtype=dtype)
-        b = jnp.full((k, n), 0.5, dtype=dtype)
-        secs = _time(lambda f=f, a=a, b=b: f(a, b), repeats)
+        # compilation (random.normal would compile once per shape); distinct buffers
+        pairs = [
+            (jnp.full((m, k), 0.5, dtype=dtype), jnp.full((k, n), 0.5, dtype=dtype))
+            for _ in range(count)
+        ]
+        secs = _time(lambda pairs=pairs: f(pairs), repeats) / count
         out.append(MatmulSample(m, n, k, dtype, secs))
     return out
 
 
-def bench_hbm(nbytes: int, repeats: int) -> float:
-    """Bytes/s of ``x + 1`` over an ``nbytes`` float32 buffer (counts one read and one write)."""
+def bench_hbm(nbytes: int, repeats: int, per_call: int = _PER_CALL) -> float:
+    """Bytes/s of ``x + 1`` over an ``nbytes`` float32 buffer (counts one read and one
+    write), ``per_call`` dependent passes in one compiled loop."""
     import jax
     import jax.numpy as jnp
 
     x = jnp.zeros((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)
-    secs = _time(lambda: f(x), repeats)
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, per_call, lambda _, y: y + 1.0, x))
+    secs = _time(lambda: f(x), repeats) / per_call
     return 2.0 * nbytes / secs
 
 
@@ -153,7 +203,8 @@ def calibrate(quick: bool = False) -> Profile:
     dtype = "float32" if dev.platform == "cpu" else "bfloat16"
     repeats = 3 if quick else 10
     shapes = _QUICK_MATMULS if quick else _FULL_MATMULS
-    matmuls = bench_matmuls(shapes, dtype, repeats)
+    cap = _PER_CALL if quick else _MAX_PER_CALL
+    matmuls = bench_matmuls(shapes, dtype, repeats, spec.flops_for(dtype), cap)
     hbm = bench_hbm((32 if quick else 2048) * 2**20, repeats)
     sizes = (2**16, 2**20) if quick else (2**16, 2**20, 2**24, 2**27)
     collectives = bench_collectives(sizes, repeats)
