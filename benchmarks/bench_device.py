@@ -159,10 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for text in rows_in:
         preset, batch = parse_row(text)
+        print(f"# {preset} x{batch} ...", flush=True)
         try:
-            rows.append(device_row(preset, batch, not a.unrolled, a.steps, a.rounds))
+            r = device_row(preset, batch, not a.unrolled, a.steps, a.rounds)
+            # Each row as it ends: a run cut short by its time limit keeps what it measured.
+            print(
+                f"  predicted {r['predicted_s'] * 1e3:.1f} ms, measured {r['measured_s'] * 1e3:.1f}"
+                f" ms (jax.jit {r['jit_s'] * 1e3:.1f}), ratio {r['ratio']:.2f}, loss rel. err "
+                f"{r['loss_rel_err']:.1e}",
+                flush=True,
+            )
         except Exception as e:  # one failing row should not end the table
-            rows.append({"row": f"{preset} x{batch}", "error": f"{type(e).__name__}: {e}"})
+            r = {"row": f"{preset} x{batch}", "error": f"{type(e).__name__}: {e}"}
+            print(f"  {r['error']}", flush=True)
+        rows.append(r)
     _table(rows, backend)
     if a.json:
         with open(a.json, "w") as f:
