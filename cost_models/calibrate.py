@@ -139,12 +139,16 @@ def bench_matmuls(
 
 def bench_hbm(nbytes: int, repeats: int, per_call: int = _PER_CALL) -> float:
     """Bytes/s of ``x + 1`` over an ``nbytes`` float32 buffer (counts one read and one
-    write), ``per_call`` dependent passes in one compiled loop."""
+    write), ``per_call`` dependent passes in one compiled loop (each behind an
+    optimization barrier: passes fused into one would read and write once)."""
     import jax
     import jax.numpy as jnp
 
+    def passes(x: Any) -> Any:
+        return jax.lax.fori_loop(0, per_call, lambda _, y: jax.lax.optimization_barrier(y + 1.0), x)
+
     x = jnp.zeros((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: jax.lax.fori_loop(0, per_call, lambda _, y: y + 1.0, x))
+    f = jax.jit(passes)
     secs = _time(lambda: f(x), repeats) / per_call
     return 2.0 * nbytes / secs
 
