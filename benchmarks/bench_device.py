@@ -155,10 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     backend = jax.default_backend()
-    rows_in = a.rows or (CPU_ROWS if backend == "cpu" else ACCELERATOR_ROWS)
+    try:
+        parsed = [
+            parse_row(t) for t in a.rows or (CPU_ROWS if backend == "cpu" else ACCELERATOR_ROWS)
+        ]
+    except ValueError as e:
+        p.error(str(e))  # a usage message and exit status 2, not a traceback
     rows = []
-    for text in rows_in:
-        preset, batch = parse_row(text)
+    for preset, batch in parsed:
         print(f"# {preset} x{batch} ...", flush=True)
         try:
             r = device_row(preset, batch, not a.unrolled, a.steps, a.rounds)

@@ -4,7 +4,9 @@
   every tensor that minimises the predicted step time within the memory bound.
 * :func:`plan_outer` ``(fn, args, graph, cluster, options) -> Plan``: the 4D outer loop
   above it (pipeline stages, the group inside a node, microbatches, schedule, stage
-  remat), as ``autopar.plan`` runs it for multi-node clusters.
+  remat), as ``autopar.plan`` runs it for multi-node clusters when the step has a
+  scanned layer stack (pipelines split it), when the options ask for its levers, or
+  when nothing fits without them.
 * :func:`evaluate_plan` ``(graph, plan, cluster) -> Evaluation``: score any plan with the
   same cost model (``sources=[]`` also lists each predicted collective's
   :class:`CollectiveSource`).
