@@ -92,9 +92,9 @@ MEGATRON_CSV = Path(__file__).resolve().parents[2] / "shared/reference/megatron2
 
 @dataclass(frozen=True)
 class ScaleRow:
-    """One section-1 row: a zoo model preset (``family`` ``"gpt"``, ``"moe"`` or ``"t5"``, with
-    ``overrides`` of its config), its global batch, the cluster (``cluster`` preset,
-    ``nodes``), and the search's time target in seconds. ``uses``: a mesh axis the plan
+    """One section-1 row: a zoo model preset (``family`` ``"gpt"``, ``"moe"``, ``"t5"``,
+    ``"clip"`` or ``"accumulate"``, with ``overrides`` of its config), its global batch,
+    the cluster (``cluster`` preset, ``nodes``), and the search's time target in seconds. ``uses``: a mesh axis the plan
     must use (the long-context row must split the sequence, the MoE row the experts)."""
 
     name: str
@@ -118,6 +118,10 @@ class ScaleRow:
             from benchmarks.models.t5 import T5Config
 
             return T5Config.preset(self.preset, **dict(self.overrides))
+        if self.family == "clip":  # unrolled blocks, as Hugging Face's Flax CLIP has them
+            from benchmarks.models.clip import CLIPConfig
+
+            return CLIPConfig.preset(self.preset, **dict(self.overrides))
         if self.family == "accumulate":  # the zoo GPT in a step that accumulates itself
             from benchmarks.models.gpt import GPTConfig
 
@@ -153,6 +157,9 @@ ROWS = (
     # 32 x 2048 tokens on two DGX A100 nodes; and the same with 4 + 4 blocks, to iterate on.
     ScaleRow("t5-1b", "t5-1b", 32, 2, False, 20.0, family="t5"),
     ScaleRow("t5-1b-4+4", "t5-1b", 32, 2, False, 20.0, family="t5", overrides=(("layers", 4),)),
+    # The ~1B two-tower model (issue 13: CLIP's "~1B version" took 115-125 s to plan): LAION's
+    # ViT-H/14 CLIP, 1024 image-caption pairs on two DGX A100 nodes.
+    ScaleRow("clip-vit-h-14", "clip-vit-h-14", 1024, 2, False, 20.0, family="clip"),
     # A step that accumulates gradients itself (lax.scan over 4 microbatches, plain optax),
     # ~0.4M parameters (issue 13: "plans in under 20 s"; it took 50 s).
     ScaleRow(
@@ -255,6 +262,8 @@ def scale_row(row: ScaleRow) -> dict[str, Any]:
         from benchmarks.models.moe import make_train_step
     if row.family == "t5":
         from benchmarks.models.t5 import make_train_step
+    if row.family == "clip":
+        from benchmarks.models.clip import make_train_step
     if row.family == "accumulate":
         from benchmarks.models.gpt import make_accumulating_step as make_train_step
     step, args = make_train_step(cfg, row.batch)

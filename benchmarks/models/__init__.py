@@ -2,7 +2,7 @@
 
 Every model module (:mod:`~benchmarks.models.gpt`, :mod:`~benchmarks.models.moe`,
 :mod:`~benchmarks.models.wide_resnet`, :mod:`~benchmarks.models.mlp`,
-:mod:`~benchmarks.models.t5`) exposes a frozen
+:mod:`~benchmarks.models.t5`, :mod:`~benchmarks.models.clip`) exposes a frozen
 config dataclass with ``.preset(name, **overrides)`` (also at module level, ``preset(name,
 **overrides)``) and
 
@@ -24,7 +24,8 @@ Example:
     >>> jaxpr = jax.make_jaxpr(step)(state, batch)
 """
 
-from benchmarks.models import gpt, mlp, moe, precision, t5, train_step, wide_resnet
+from benchmarks.models import clip, gpt, mlp, moe, precision, t5, train_step, wide_resnet
+from benchmarks.models.clip import CLIPConfig
 from benchmarks.models.gpt import GPTConfig
 from benchmarks.models.mlp import MLPConfig
 from benchmarks.models.moe import MoEConfig
@@ -34,12 +35,14 @@ from benchmarks.models.wide_resnet import WideResNetConfig
 
 __all__ = [
     "AdamW",
+    "CLIPConfig",
     "GPTConfig",
     "MLPConfig",
     "MoEConfig",
     "Precision",
     "T5Config",
     "WideResNetConfig",
+    "clip",
     "gpt",
     "mlp",
     "moe",

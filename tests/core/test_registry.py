@@ -37,7 +37,7 @@ def test_an_import_path_names_an_unregistered_family():
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("bogus", "registered ('autopar.models' entry points): gpt"),
+        ("bogus", "registered ('autopar.models' entry points): clip, gpt, mlp"),
         ("no_such_pkg.models", "cannot load"),
         ("autopar.errors", "not a model family: it lacks preset, make_train_step"),
     ],
