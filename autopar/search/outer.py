@@ -999,12 +999,14 @@ def plan_outer(
             bar.advance(f"priced {s.config.label}")
         # The shortlist holds at least FINALISTS candidates: the next screened ones fill
         # it, marked as screened only (their estimates, not a full price).
+        best_fit = min((q.candidate.step_time_s for q in priced if _fits(q, limit)), default=None)
         while len(priced) < FINALISTS:
             i = _next_finalist(screened, limit, taken, {}, scale)
             if i is None:
                 break
             taken.add(i)
-            priced.append(_screened_only(screened[i], scale))
+            floor = _screen_floor(screened[i], ratios, plain_ratios)
+            priced.append(_screened_only(screened[i], scale, floor, best_fit))
     fitting = [q for q in priced if _fits(q, limit)]
     if not fitting:
         raise _infeasible(priced, limit, plain_error, graph, cluster)
@@ -1020,7 +1022,23 @@ def _fits(q: _Priced, limit: float) -> bool:
     return q.plan is not None and q.candidate.memory_bytes_per_device <= limit
 
 
-def _screened_only(s: Screened, scale: Mapping) -> _Priced:
+def _screened_only(
+    s: Screened, scale: Mapping, floor: float = 1.0, best: float | None = None
+) -> _Priced:
+    """A shortlist entry for a configuration only screened: its estimates and, when what
+    pricing taught (``floor``, :func:`_screen_floor`) puts it at or over ``best`` (the
+    fastest priced plan that fits), that it cannot win, so that a raw screen under the
+    chosen plan's price does not read as a faster plan left out.
+
+    Example: screened at 1.18 s, and plans of its kind priced at least 1.45x their
+    screen: about 1.71 s, which cannot beat a plan priced at 1.68 s.
+
+        >>> s = Screened(PipelineConfig(1, {}, 16, 8, 1), 1.18, 34.5 * 2**30)
+        >>> print(_screened_only(s, {}, 1.45, 1.68).candidate.verdict)  # doctest: +NORMALIZE_WHITESPACE
+        not solved: screened only (not priced in full): about 1.18 s per step, 34.5 GiB
+        per device; priced plans of its kind took at least 1.45x their screen, about
+        1.71 s, so it cannot beat the chosen 1.68 s
+    """
     from autopar.search.shortlist import unsolved
 
     mem = s.memory_bytes * scale.get(_memory_key(s.config), 1.0)
@@ -1028,6 +1046,17 @@ def _screened_only(s: Screened, scale: Mapping) -> _Priced:
         f"screened only (not priced in full): about {s.step_time_s:.3g} s per step, "
         f"{mem / 2**30:.3g} GiB per device"
     )
+    if best is not None and floor > 1.0 and _cannot_win(s, floor, best):
+        why += (
+            f"; priced plans of its kind took at least {floor:.3g}x their screen, about "
+            f"{s.step_time_s * floor:.3g} s, so it cannot beat the chosen {best:.3g} s"
+        )
+    elif best is not None and s.step_time_s < best:
+        why += (
+            "; the screen runs ahead of the full price (it leaves out the reshards and "
+            f"collectives of the layouts): the search priced its {FINALISTS} most "
+            "promising configurations"
+        )
     return _Priced(s.config.label, None, None, unsolved(s.config.label, s.config.mesh, why))
 
 
