@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
             "model",
             metavar="MODEL",
             help="a model registered under the 'autopar.models' entry points (the zoo's: "
-            "gpt, moe, wide_resnet, mlp) or an import path, e.g. mypkg.models.bert",
+            "gpt, moe, wide_resnet, mlp, t5, clip) or an import path, e.g. mypkg.models.bert",
         )
         s.add_argument("--preset", help="model preset, e.g. gpt2-small, gpt3-175b (default tiny)")
         s.add_argument("--batch", type=int, default=8)

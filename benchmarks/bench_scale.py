@@ -18,6 +18,11 @@ on ``dgx-a100-80gb`` nodes:
   (``seq``) and fit. Mixtral 8x7B's sizes on the zoo MoE (``benchmarks.models.moe``),
   batch 256, 8 ``dgx-h100`` nodes: the plan must split the experts (``expert``) and fit.
   300 s each.
+* Steps users write with unrolled blocks (issue 13's "tried as a new user would"), 20 s
+  each: the ~1B T5 encoder-decoder (``benchmarks.models.t5``), batch 32 x 2048 tokens on
+  2 nodes, and the same with 4 + 4 blocks; LAION's ViT-H/14 CLIP, the ~1B two-tower model
+  (``benchmarks.models.clip``), 1024 image-caption pairs on 2 nodes; a ~0.4M-parameter GPT
+  in a step that accumulates its gradients with ``lax.scan`` over 4 microbatches, 1 node.
 
 Per row: params, devices, search seconds against the target, the chosen mesh, schedule
 (and chunks per device), microbatches, stage remat, the predicted model TFLOP/s per

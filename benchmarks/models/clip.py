@@ -11,7 +11,8 @@ Architecture (Radford et al. 2021; ``transformers.models.clip.modeling_flax_clip
   id in the sequence (``argmax`` of ``input_ids``, as Hugging Face pools OpenAI's vocab);
 * each block is ``x + self_attn(layer_norm1(x))`` then ``x + mlp(layer_norm2(x))`` with
   biased ``q/k/v/out_proj`` and ``fc1 -> activation -> fc2`` (``quick_gelu``,
-  ``x * sigmoid(1.702 x)``, in OpenAI's checkpoints; ``gelu`` in LAION's);
+  ``x * sigmoid(1.702 x)``, in OpenAI's checkpoints; the exact, erf-based ``gelu`` in
+  LAION's);
 * the pooled outputs go through bias-free ``visual_projection`` / ``text_projection`` to
   ``projection_dim``, are L2-normalised, and their cosine similarities are scaled by
   ``exp(logit_scale)`` (initialised to ``log(1 / 0.07)``).
@@ -260,7 +261,8 @@ class CLIPMLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         h = nn.Dense(self.inner, dtype=self.dtype, name="fc1")(x)
-        h = quick_gelu(h) if self.activation == "quick_gelu" else nn.gelu(h)
+        # Hugging Face's "gelu" is the exact, erf-based GELU (flax's default is tanh's)
+        h = quick_gelu(h) if self.activation == "quick_gelu" else nn.gelu(h, approximate=False)
         return nn.Dense(self.width, dtype=self.dtype, name="fc2")(h)
 
 

@@ -215,3 +215,20 @@ def test_the_blocks_of_both_towers_are_layers_and_solved_once():
         sizes[layers] = (len(problem.nodes), len(solver._presolve(problem, "cost").unary))
     assert sizes[3][0] > sizes[2][0]  # more ops ...
     assert sizes[3][1] == sizes[2][1]  # ... the same choices
+
+
+@pytest.mark.parametrize("activation", ["quick_gelu", "gelu"])
+def test_mlp_activations_are_openai_and_laion_ones(activation):
+    # OpenAI's checkpoints: x * sigmoid(1.702 x); LAION's: the exact GELU, x * Phi(x),
+    # written here with math.erf.
+    mlp = clip.CLIPMLP(3, 5, activation)
+    x = jnp.linspace(-2.0, 2.0, 6).reshape(2, 3)
+    params = mlp.init(jax.random.PRNGKey(0), x)
+    p = jax.tree.map(np.asarray, params["params"])
+    h = np.asarray(x) @ p["fc1"]["kernel"] + p["fc1"]["bias"]
+    if activation == "quick_gelu":
+        act = h / (1 + np.exp(-1.702 * h))
+    else:
+        act = h * 0.5 * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))
+    want = act @ p["fc2"]["kernel"] + p["fc2"]["bias"]
+    np.testing.assert_allclose(np.asarray(mlp.apply(params, x)), want, rtol=1e-5, atol=1e-6)
