@@ -123,6 +123,15 @@ class CLIPConfig:
             )
         check_precision(self.precision)
 
+    def tower(self, name: Literal["vision", "text"]) -> Tower:
+        """The block shape of the ``"vision"`` (bidirectional) or ``"text"`` (causal)
+        tower."""
+        return Tower(
+            getattr(self, f"{name}_width"), getattr(self, f"{name}_heads"),
+            getattr(self, f"{name}_mlp"), getattr(self, f"{name}_layers"),
+            causal=name == "text", activation=self.activation,
+        )  # fmt: skip
+
     @property
     def num_patches(self) -> int:
         """Patches per image: ``(image_size / patch)^2`` (the vision sequence is one more)."""
@@ -219,19 +228,36 @@ def quick_gelu(x: jax.Array) -> jax.Array:
     return x * jax.nn.sigmoid(1.702 * x)
 
 
-class CLIPAttention(nn.Module):
-    """Multi-head self-attention with biased ``q/k/v/out_proj``, logits scaled by
-    ``1/sqrt(head_dim)`` and computed in float32; ``causal`` masks future tokens."""
+@dataclasses.dataclass(frozen=True)
+class Tower:
+    """The block shape of one tower: ``layers`` blocks of ``width`` with ``heads`` heads, an
+    MLP of ``inner``, causal attention or not, and the MLP's activation.
+
+    Example:
+        >>> CLIPConfig.preset("clip-vit-h-14").tower("text")
+        Tower(width=1024, heads=16, inner=4096, layers=24, causal=True, activation='gelu')
+    """
 
     width: int
     heads: int
+    inner: int
+    layers: int
     causal: bool
+    activation: Activation
+
+
+class CLIPAttention(nn.Module):
+    """Multi-head self-attention with biased ``q/k/v/out_proj``, logits scaled by
+    ``1/sqrt(head_dim)`` and computed in float32; a causal tower masks future tokens."""
+
+    tower: Tower
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, w = x.shape
-        a, dk = self.heads, w // self.heads
+        a = self.tower.heads
+        dk = w // a
         init = nn.initializers.normal(stddev=w**-0.5)
 
         def proj(name: str) -> nn.Dense:
@@ -241,7 +267,7 @@ class CLIPAttention(nn.Module):
         k = proj("k_proj")(x).reshape(b, s, a, dk)
         v = proj("v_proj")(x).reshape(b, s, a, dk)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * dk**-0.5
-        if self.causal:
+        if self.tower.causal:
             row = jax.lax.broadcasted_iota(jnp.int32, (s, s), 0)
             col = jax.lax.broadcasted_iota(jnp.int32, (s, s), 1)
             scores = jnp.where(col > row, jnp.finfo(jnp.float32).min, scores)
@@ -253,77 +279,55 @@ class CLIPAttention(nn.Module):
 class CLIPMLP(nn.Module):
     """``fc2(activation(fc1(x)))``."""
 
-    width: int
-    inner: int
-    activation: Activation
+    tower: Tower
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = nn.Dense(self.inner, dtype=self.dtype, name="fc1")(x)
+        h = nn.Dense(self.tower.inner, dtype=self.dtype, name="fc1")(x)
         # Hugging Face's "gelu" is the exact, erf-based GELU (flax's default is tanh's)
-        h = quick_gelu(h) if self.activation == "quick_gelu" else nn.gelu(h, approximate=False)
-        return nn.Dense(self.width, dtype=self.dtype, name="fc2")(h)
+        if self.tower.activation == "quick_gelu":
+            h = quick_gelu(h)
+        else:
+            h = nn.gelu(h, approximate=False)
+        return nn.Dense(self.tower.width, dtype=self.dtype, name="fc2")(h)
 
 
 class CLIPEncoderLayer(nn.Module):
     """One pre-norm block: ``x + self_attn(layer_norm1(x))``, ``x + mlp(layer_norm2(x))``."""
 
-    width: int
-    heads: int
-    inner: int
-    causal: bool
-    activation: Activation
+    tower: Tower
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         ln = lambda name: nn.LayerNorm(_LN_EPS, dtype=self.dtype, name=name)  # noqa: E731
-        x = x + CLIPAttention(self.width, self.heads, self.causal, self.dtype, name="self_attn")(
-            ln("layer_norm1")(x)
-        )
-        mlp = CLIPMLP(self.width, self.inner, self.activation, self.dtype, name="mlp")
-        return x + mlp(ln("layer_norm2")(x))
+        x = x + CLIPAttention(self.tower, self.dtype, name="self_attn")(ln("layer_norm1")(x))
+        return x + CLIPMLP(self.tower, self.dtype, name="mlp")(ln("layer_norm2")(x))
 
 
 class CLIPLayerCollection(nn.Module):
     """The numbered blocks ``0 .. n - 1`` of one tower (Hugging Face's ``layers``)."""
 
-    width: int
-    heads: int
-    inner: int
-    layers: int
-    causal: bool
-    activation: Activation
+    tower: Tower
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        for i in range(self.layers):
-            x = CLIPEncoderLayer(
-                self.width, self.heads, self.inner, self.causal, self.activation, self.dtype,
-                name=str(i),
-            )(x)  # fmt: skip
+        for i in range(self.tower.layers):
+            x = CLIPEncoderLayer(self.tower, self.dtype, name=str(i))(x)
         return x
 
 
 class CLIPEncoder(nn.Module):
     """One tower's blocks, at ``encoder/layers/{i}``."""
 
-    width: int
-    heads: int
-    inner: int
-    layers: int
-    causal: bool
-    activation: Activation
+    tower: Tower
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return CLIPLayerCollection(
-            self.width, self.heads, self.inner, self.layers, self.causal, self.activation,
-            self.dtype, name="layers",
-        )(x)  # fmt: skip
+        return CLIPLayerCollection(self.tower, self.dtype, name="layers")(x)
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -367,10 +371,7 @@ class CLIPVisionTransformer(nn.Module):
         cfg = self.config
         x = CLIPVisionEmbeddings(cfg, self.dtype, name="embeddings")(pixels)
         x = nn.LayerNorm(_LN_EPS, dtype=self.dtype, name="pre_layrnorm")(x)
-        x = CLIPEncoder(
-            cfg.vision_width, cfg.vision_heads, cfg.vision_mlp, cfg.vision_layers, False,
-            cfg.activation, self.dtype, name="encoder",
-        )(x)  # fmt: skip
+        x = CLIPEncoder(cfg.tower("vision"), self.dtype, name="encoder")(x)
         return nn.LayerNorm(_LN_EPS, dtype=self.dtype, name="post_layernorm")(x[:, 0])
 
 
@@ -403,10 +404,7 @@ class CLIPTextTransformer(nn.Module):
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         cfg = self.config
         x = CLIPTextEmbeddings(cfg, self.dtype, name="embeddings")(input_ids)
-        x = CLIPEncoder(
-            cfg.text_width, cfg.text_heads, cfg.text_mlp, cfg.text_layers, True,
-            cfg.activation, self.dtype, name="encoder",
-        )(x)  # fmt: skip
+        x = CLIPEncoder(cfg.tower("text"), self.dtype, name="encoder")(x)
         x = nn.LayerNorm(_LN_EPS, dtype=self.dtype, name="final_layer_norm")(x)
         eot = jnp.argmax(input_ids, axis=-1)
         return x[jnp.arange(x.shape[0]), eot]
@@ -495,18 +493,9 @@ def make_train_step(
     learning_rate: float = 1e-3,
     weight_decay: float = 0.01,
 ) -> tuple[StepFn, tuple[dict[str, Any], dict[str, Any]]]:
-    """An AdamW train step for ``config`` and its arguments ``(state, batch)``.
-
-    Args:
-        config: the model.
-        batch_size: image-caption pairs per step (each is contrasted with all others).
-        abstract: ``jax.ShapeDtypeStruct`` args (nothing allocated) or concrete arrays.
-        seed: parameter init and batch seed.
-        learning_rate: AdamW learning rate.
-        weight_decay: AdamW decoupled weight decay.
-
-    Returns:
-        ``(step_fn, (state, batch))`` with ``step_fn(state, batch) -> (new_state, loss)``.
+    """An AdamW train step for ``config`` and its arguments ``(state, batch)``: the
+    contract of :func:`benchmarks.models.gpt.make_train_step`, with ``batch_size``
+    image-caption pairs (at least 2: each is contrasted with all the others).
 
     Example:
         >>> step, (state, batch) = make_train_step(CLIPConfig.preset("clip-vit-h-14"), 8)

@@ -22,14 +22,7 @@ import pytest
 from autopar.registry import model_names, model_step
 from benchmarks.models import clip
 from benchmarks.models.clip import CLIP, CLIPConfig
-
-
-def _count(tree) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
-
-
-def _nbytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+from tests.benchmarks._trees import count, nbytes
 
 
 @pytest.mark.parametrize(
@@ -39,20 +32,20 @@ def _nbytes(tree) -> int:
 def test_parameter_counts_match_hugging_face(name, published):
     cfg = CLIPConfig.preset(name)
     _, (state, _) = clip.make_train_step(cfg, 2)
-    assert _count(state["params"]) == published
+    assert count(state["params"]) == published
     assert cfg.num_params() == published
 
 
 def test_vit_h_14_is_the_1b_two_tower_model_and_abstract():
     cfg = CLIPConfig.preset("clip-vit-h-14")
     _, (state, batch) = clip.make_train_step(cfg, 1024)
-    n = _count(state["params"])
+    n = count(state["params"])
     assert 0.9e9 < n < 1.1e9
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((state, batch)))
     assert batch["pixel_values"].shape == (1024, 224, 224, 3)
     assert batch["input_ids"].shape == (1024, 77)
     # bf16 params (2) + fp32 master, mu, nu (12) per parameter, plus Adam's step counter
-    assert _nbytes(state) == 14 * n + 4
+    assert nbytes(state) == 14 * n + 4
 
 
 def test_hugging_face_parameter_paths():
@@ -221,7 +214,7 @@ def test_the_blocks_of_both_towers_are_layers_and_solved_once():
 def test_mlp_activations_are_openai_and_laion_ones(activation):
     # OpenAI's checkpoints: x * sigmoid(1.702 x); LAION's: the exact GELU, x * Phi(x),
     # written here with math.erf.
-    mlp = clip.CLIPMLP(3, 5, activation)
+    mlp = clip.CLIPMLP(clip.Tower(3, 1, 5, 1, False, activation))
     x = jnp.linspace(-2.0, 2.0, 6).reshape(2, 3)
     params = mlp.init(jax.random.PRNGKey(0), x)
     p = jax.tree.map(np.asarray, params["params"])

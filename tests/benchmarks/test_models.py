@@ -22,14 +22,7 @@ from benchmarks.models.gpt import GPTConfig
 from benchmarks.models.mlp import MLPConfig
 from benchmarks.models.moe import MoEConfig
 from benchmarks.models.wide_resnet import WideResNetConfig
-
-
-def _count(tree) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
-
-
-def _nbytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+from tests.benchmarks._trees import count, nbytes
 
 
 def _gpt_formula(v: int, s: int, h: int, l: int) -> int:  # noqa: E741
@@ -71,7 +64,7 @@ def test_gpt_param_count_matches_hand_formula(preset, dims):
     expected = _gpt_formula(*dims)
     if preset == "gpt2-small":
         assert expected == 124_439_808  # the published GPT-2 small count
-    assert _count(state["params"]) == expected
+    assert count(state["params"]) == expected
     assert config.num_params() == expected
 
 
@@ -83,7 +76,7 @@ def test_gqa_swiglu_param_count():
     block = attn + mlp_ + 4 * 64
     expected = 256 * 64 + 32 * 64 + 2 * block + 2 * 64
     _, (state, _) = gpt.make_train_step(config, 1)
-    assert _count(state["params"]) == expected == 143_488
+    assert count(state["params"]) == expected == 143_488
     assert state["params"]["h"]["attn"]["k"]["kernel"].shape == (2, 64, 32)
 
 
@@ -94,7 +87,7 @@ def test_gpt3_175b_abstract_is_fast_and_matches_megatron_formula():
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((state, batch)))
     v, s, h, l = 50257, 2048, 12288, 96  # noqa: E741
     megatron = 12 * l * h**2 * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
-    n = _count(state["params"])
+    n = count(state["params"])
     assert abs(n - megatron) / megatron < 1e-3
     assert n == _gpt_formula(v, s, h, l)
     assert 174.5e9 < n < 174.7e9
@@ -106,7 +99,7 @@ def test_gpt3_175b_abstract_is_fast_and_matches_megatron_formula():
 )
 def test_wide_resnet_param_count_matches_torchvision(preset, published):
     _, (state, _) = wide_resnet.make_train_step(WideResNetConfig.preset(preset), 2)
-    assert _count(state["params"]) == published
+    assert count(state["params"]) == published
 
 
 # --------------------------------------------------------------------------- the contract
@@ -180,25 +173,25 @@ def test_moe_expert_weights_have_leading_expert_axis():
 def test_mixed_precision_is_16_bytes_per_param():
     config = GPTConfig.preset("tiny")  # mixed by default
     _, (state, batch) = gpt.make_train_step(config, 2)
-    n = _count(state["params"])
+    n = count(state["params"])
     assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.bfloat16)}
     opt = state["opt_state"]
     assert {x.dtype for x in jax.tree.leaves(opt["master"])} == {jnp.dtype(jnp.float32)}
     adam = opt["adam"][0]
     assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {jnp.dtype(jnp.float32)}
     # bf16 params (2) + fp32 master, momentum, variance (12); plus optax's int32 count.
-    assert _nbytes(state["params"]) + _nbytes(opt) == 14 * n + 4
+    assert nbytes(state["params"]) + nbytes(opt) == 14 * n + 4
     grad_fn = jax.grad(lambda p, b: gpt.loss_fn(config, p, b))
     grads = jax.eval_shape(grad_fn, state["params"], batch)
-    assert _nbytes(grads) == 2 * n  # bf16 gradients: 16 bytes/param in all
+    assert nbytes(grads) == 2 * n  # bf16 gradients: 16 bytes/param in all
 
 
 def test_fp32_is_plain_adamw():
     config = GPTConfig.preset("tiny", precision="fp32")
     _, (state, _) = gpt.make_train_step(config, 2)
-    n = _count(state["params"])
-    assert _nbytes(state["params"]) == 4 * n
-    assert _nbytes(state["opt_state"]) == 8 * n + 4  # mu, nu, count
+    n = count(state["params"])
+    assert nbytes(state["params"]) == 4 * n
+    assert nbytes(state["opt_state"]) == 8 * n + 4  # mu, nu, count
 
 
 # --------------------------------------------------------------------------- running steps

@@ -20,14 +20,7 @@ import pytest
 from autopar.registry import model_names, model_step
 from benchmarks.models import t5
 from benchmarks.models.t5 import T5Config
-
-
-def _count(tree) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
-
-
-def _nbytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+from tests.benchmarks._trees import count, nbytes
 
 
 @pytest.mark.parametrize(
@@ -42,21 +35,21 @@ def _nbytes(tree) -> int:
 def test_parameter_counts_match_hugging_face(name, published):
     cfg = T5Config.preset(name)
     _, (state, _) = t5.make_train_step(cfg, 2)
-    assert _count(state["params"]) == published
+    assert count(state["params"]) == published
     assert cfg.num_params() == published
 
 
 def test_t5_1b_is_abstract_and_mixed_precision():
     cfg = T5Config.preset("t5-1b")
     _, (state, batch) = t5.make_train_step(cfg, 32)
-    n = _count(state["params"])
+    n = count(state["params"])
     assert 0.9e9 < n < 1.1e9
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((state, batch)))
     assert {k: v.shape for k, v in batch.items()} == {
         "inputs": (32, 2048), "decoder_inputs": (32, 2048), "targets": (32, 2048),
     }  # fmt: skip
     # bf16 params (2) + fp32 master, mu, nu (12) per parameter, plus Adam's step counter
-    assert _nbytes(state) == 14 * n + 4
+    assert nbytes(state) == 14 * n + 4
 
 
 def test_hugging_face_parameter_paths():
