@@ -455,6 +455,7 @@ def _completion_key(
             plan.activations,
             m,
             bool(plan.pipeline is not None and plan.pipeline.num_stages > 1),
+            plan.remat,
             cluster,
             coarsen,
             as_propagation,
@@ -532,6 +533,8 @@ def _solve_completion(
             )
         graph = accumulation.micro
         repeat = dict.fromkeys(accumulation.gradient_eqns, float(m))
+    if plan.remat != "none":
+        repeat = remat_repeats(graph, plan.remat, repeat)
     bp = build(
         graph,
         ctx,
@@ -541,6 +544,7 @@ def _solve_completion(
         replication_penalty_s=penalty,
         repeat=repeat,
         operand_constraints=_operand_constraints(graph, plan),
+        remat=plan.remat,
     )
     if m > 1:
         bp = with_accumulators(bp, accumulation)
@@ -551,6 +555,36 @@ def _solve_completion(
     if not sol.ok:
         raise LoadPlanError(f"could not complete the plan's layouts (solver status {sol.status}).")
     return bp, sol
+
+
+def remat_repeats(
+    graph: Graph, policy: str, repeat: Mapping[int, float] | None = None
+) -> dict[int, float]:
+    """``repeat`` (top-level node id -> runs per step) with the forward nodes that
+    ``policy`` recomputes in the backward pass run once more: the nodes the lowering
+    re-runs (:func:`autopar.lower.remat.plan_remat`), so their FLOPs and the collectives
+    of their layouts are priced twice, as the lowered program runs them. The memory side
+    is the build's ``remat`` (:func:`autopar.search.build.memory.liveness`).
+
+    Raises:
+        LowerPlanError: what ``plan_remat`` refuses (layers inside a scan over layers, no
+            layers, an unknown policy).
+
+    Example:
+        >>> from benchmarks.models.gpt import GPTConfig, make_train_step
+        >>> step, args = make_train_step(GPTConfig.preset("tiny", scan_layers=False), 2)
+        >>> g = autopar.trace(step, *args)
+        >>> again = remat_repeats(g, "full")
+        >>> set(again.values()), all(g.nodes[n].phase == "forward" for n in again)
+        ({2.0}, True)
+    """
+    from autopar.lower.remat import plan_remat
+
+    out = dict(repeat or {})
+    for block in plan_remat(graph, policy).blocks:
+        for nid in block.nodes:
+            out[nid] = 2.0 * out.get(nid, 1.0)  # once more per microbatch
+    return out
 
 
 def complete_layouts(
