@@ -148,9 +148,12 @@ def _plan_graph(
 
 
 def _may_pipeline(graph: Graph, options: SearchOptions) -> bool:
-    """Whether the options leave pipelining open and the graph has layers to stage."""
+    """Whether the options leave pipelining open and the graph has layers to stage (a
+    fixed ``remat="selective"`` is the intra-op search's: stages rematerialise ``"none"``
+    or ``"full"``)."""
     return (
         options.pipeline_stages != 1
+        and options.remat != "selective"
         and (options.axes is None or "pipe" in options.axes)
         and len(graph.layers) >= 2
         and any(gi.role == "batch" and gi.tensor.ndim for gi in graph.inputs)
@@ -160,7 +163,9 @@ def _may_pipeline(graph: Graph, options: SearchOptions) -> bool:
 def _searches_pipelines(fn: Callable | Graph, graph: Graph, cluster: Any, options: Any) -> bool:
     """The 4D outer loop (:func:`autopar.search.outer.plan_outer`) plans the step when the
     mesh is open and the cluster spans nodes, or the options ask for a pipeline or its
-    levers (stages, a schedule, stage remat) without fixing the mesh.
+    levers (stages, a schedule, full stage remat) without fixing the mesh. A fixed mesh
+    without ``pipe`` and a fixed ``remat`` is an intra-op plan that rematerialises each
+    unrolled layer (:func:`autopar.search.evaluate.remat_repeats`).
 
     Across nodes only when a pipeline splits some of the state (a scanned layer stack,
     :func:`autopar.search.interop.pipe_share`): then its stages hold and update less,

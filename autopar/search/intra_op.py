@@ -30,7 +30,7 @@ from typing import Any
 from autopar.axes import BATCH_AXES
 from autopar.options import SearchOptions
 from autopar.search.costs import CostContext
-from autopar.search.evaluate import Evaluation, decode
+from autopar.search.evaluate import Evaluation, decode, remat_repeats
 from autopar.search.ilp import BuiltProblem, build, with_accumulators
 from autopar.search.problem import ShardingSolution
 from autopar.search.solver import objective_lower_bound, solve
@@ -124,8 +124,11 @@ def build_problem(
     With ``accumulation`` (an :class:`autopar.lower.split.Accumulation` of ``graph``), the
     problem is the microbatched step's: built on one microbatch, its gradient computation
     run ``accumulation.microbatches`` times per step, with the accumulators and the
-    resident batch in memory (:func:`autopar.search.ilp.with_accumulators`)."""
+    resident batch in memory (:func:`autopar.search.ilp.with_accumulators`). A fixed
+    ``options.remat`` (a plan without pipeline stages) is priced as :func:`autopar.evaluate`
+    prices it (:func:`autopar.search.evaluate.remat_repeats`)."""
     ctx = CostContext(cluster, mesh)
+    remat = options.remat or "none"
     if accumulation is None:
         allowed, required = _input_axes(graph, mesh, options)
         return build(
@@ -136,9 +139,12 @@ def build_problem(
             tie_optimizer_state=options.zero_stage not in (1, 2),
             coarsen_groups=options.coarsen,
             memory_limit=memory_limit,
+            repeat=remat_repeats(graph, remat) if remat != "none" else None,
+            remat=remat,
         )
     micro = accumulation.micro
     allowed, required = _input_axes(micro, mesh, options)
+    repeat = dict.fromkeys(accumulation.gradient_eqns, float(accumulation.microbatches))
     bp = build(
         micro,
         ctx,
@@ -147,7 +153,8 @@ def build_problem(
         tie_optimizer_state=options.zero_stage not in (1, 2),
         coarsen_groups=options.coarsen,
         memory_limit=memory_limit,
-        repeat=dict.fromkeys(accumulation.gradient_eqns, float(accumulation.microbatches)),
+        repeat=remat_repeats(micro, remat, repeat) if remat != "none" else repeat,
+        remat=remat,
     )
     return with_accumulators(bp, accumulation)
 

@@ -103,12 +103,6 @@ def _check(options: SearchOptions, cluster: Any) -> None:
             "'pipe' axis, or leave the mesh open for autopar.plan(fn, *args) to choose them"
             f"{_NO_PIPELINES}, or leave virtual_stages=None."
         )
-    if options.remat not in (None, "none"):
-        raise InvalidOptionError(
-            f"remat={options.remat!r}: rematerialisation runs per pipeline stage: give the "
-            "mesh a 'pipe' axis, or leave the mesh open for autopar.plan(fn, *args) to "
-            f"choose the stages{_NO_PIPELINES}, or use None or 'none'."
-        )
     if options.mesh is not None:
         size = 1
         for s in options.mesh.values():
@@ -216,6 +210,8 @@ def plan_graph(
     )
     limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
     plan = write_plan(best, graph, cluster, limit, pipeline)
+    if options.remat not in (None, "none"):  # priced by the search (build_problem)
+        plan = dataclasses.replace(plan, remat=options.remat)
     if polish:
         plan, best = _polish(
             plan, best, tried, graph, cluster, options, limit, pipeline, accumulation

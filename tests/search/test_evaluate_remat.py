@@ -1,7 +1,9 @@
-"""``autopar.evaluate`` prices a plan's ``remat``: the forward nodes the lowering re-runs
-(``autopar.lower.remat.plan_remat``) count again, and the memory model drops what the
-policy does not store. Before, a plan with ``remat="full"`` was priced as if nothing were
-recomputed: the same step time and the same memory as ``"none"``.
+"""A plan's ``remat`` (no pipeline stages, unrolled layers) is priced: ``autopar.evaluate``
+counts again the forward nodes the lowering re-runs (``autopar.lower.remat.plan_remat``),
+and the memory model drops what the policy does not store. Before, a plan with
+``remat="full"`` was priced as if nothing were recomputed (the same step time and memory
+as ``"none"``), and ``SearchOptions(remat=...)`` on a mesh without ``pipe`` was refused.
+Now the search plans a fixed ``remat`` and reports what ``evaluate`` reports.
 
 Expected values come from the graph, not from the evaluation: the extra FLOPs per device
 are the traced FLOPs of the nodes ``plan_remat`` re-runs over the 8 data-parallel devices
@@ -16,7 +18,7 @@ import functools
 import pytest
 
 import autopar
-from autopar import baselines
+from autopar import SearchOptions, baselines
 from autopar.errors import LowerPlanError
 from autopar.lower.remat import plan_remat
 from benchmarks.models.gpt import GPTConfig, make_train_step
@@ -62,3 +64,34 @@ def test_remat_of_a_scanned_stack_is_refused_as_the_lowering_refuses_it():
     )
     with pytest.raises(LowerPlanError, match="handles unrolled layers only"):
         autopar.evaluate(step, plan, CLUSTER, *args)
+
+
+def test_a_fixed_remat_is_planned_priced_as_evaluate_prices_it_and_run():
+    from tests.lower._zoo import check_against_single_device
+
+    cfg = GPTConfig.preset("tiny", scan_layers=False, precision="fp32")
+    step, args = make_train_step(cfg, 64, abstract=False)
+    mesh = {"data": DEVICES}
+    fast = autopar.autoparallel(
+        step, cluster=CLUSTER, options=SearchOptions(mesh=mesh, remat="full"), cache=False
+    )
+    plan = fast.plan_for(*args)
+    assert plan.remat == "full"
+    # the number the search minimised is the number evaluate reports for the plan
+    ev = autopar.evaluate(step, plan, CLUSTER, *args)
+    assert ev.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert ev.memory_bytes_per_device == pytest.approx(plan.predicted.memory_bytes_per_device)
+    plain = autopar.plan(step, *args, cluster=CLUSTER, options=SearchOptions(mesh=mesh))
+    assert plan.predicted.memory_bytes_per_device < plain.predicted.memory_bytes_per_device
+    # the lowered program recomputes and still equals single-device jax.jit
+    check_against_single_device(step, args, fast)
+
+
+def test_selective_remat_with_the_mesh_open_is_an_intra_op_plan():
+    # Pipeline stages rematerialise "none" or "full"; a fixed "selective" plans without them.
+    step, args = make_train_step(GPTConfig.preset("tiny", scan_layers=False), 64)
+    plan = autopar.plan(step, *args, cluster=CLUSTER, options=SearchOptions(remat="selective"))
+    assert plan.remat == "selective"
+    assert plan.pipeline is None or plan.pipeline.num_stages == 1
+    ev = autopar.evaluate(step, plan, CLUSTER, *args)
+    assert ev.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
