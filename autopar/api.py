@@ -143,8 +143,74 @@ def _plan_graph(
         try:
             return with_levers(plan_graph(graph, cluster, plain_options(options)), graph)
         except InfeasiblePlanError as e:  # searched once: the outer loop does not again
-            return plan_outer(fn, args, graph, cluster, options, plain_error=e)
-    return _plan_accumulated(fn, args, graph, cluster, options, m)
+            remats, tried = _remat_plans(graph, cluster, options)
+            try:
+                outer = plan_outer(fn, args, graph, cluster, options, plain_error=e)
+            except InfeasiblePlanError as e2:
+                if not remats:
+                    raise e2.restated(f"{e2}{tried}") from e2
+                outer = None
+            return _fastest(([outer] if outer is not None else []) + remats, options, cluster)
+    try:
+        return _plan_accumulated(fn, args, graph, cluster, options, m)
+    except InfeasiblePlanError as e:
+        if m > 1 or isinstance(fn, Graph) or options.pipeline_stages not in (None, 1):
+            raise
+        remats, tried = _remat_plans(graph, cluster, options)
+        if not remats:
+            raise e.restated(f"{e}{tried}") from e
+        return _fastest(remats, options, cluster)
+
+
+_LAYER_REMATS = ("selective", "full")
+
+
+def _remat_plans(graph: Graph, cluster: Any, options: SearchOptions) -> tuple[list[Plan], str]:
+    """The intra-op plans of an unrolled step with each layer rematerialised (selective,
+    then full), searched when nothing fits without a memory lever and the options leave
+    ``remat`` open: ``(the plans that fit, what the others came to, in words)``. A scanned
+    stack rematerialises per pipeline stage instead (the outer loop's lever), or inside
+    the model (``nn.remat``)."""
+    from dataclasses import replace
+
+    from autopar.errors import InfeasiblePlanError, LowerPlanError
+    from autopar.search import plan_graph
+    from autopar.search.outer import plain_options
+
+    if options.remat is not None or any(layer.kind == "scan" for layer in graph.layers):
+        return [], ""
+    plans, notes = [], []
+    for remat in _LAYER_REMATS:
+        try:
+            plans.append(plan_graph(graph, cluster, replace(plain_options(options), remat=remat)))
+        except LowerPlanError:
+            return plans, ""  # nothing to recompute (no layer residuals)
+        except InfeasiblePlanError as e:
+            if e.smallest_bytes is not None:
+                notes.append(f"{remat} {e.smallest_bytes / 2**30:.4g} GiB")
+    tried = f" Each layer rematerialised: smallest footprints {', '.join(notes)}." if notes else ""
+    return plans, tried
+
+
+def _fastest(plans: list[Plan], options: SearchOptions, cluster: Any) -> Plan:
+    """The fastest of ``plans`` (each fits), its shortlist holding the others' choices
+    beside its own, ranked against it; a rematerialising plan's candidates say so."""
+    from dataclasses import replace
+
+    from autopar.search.shortlist import rank
+
+    best = min(plans, key=lambda p: p.predicted.step_time_s)
+    if not best.shortlist:
+        return best
+
+    def label(p: Plan, c: Any) -> Any:
+        return replace(c, label=f"{c.label}, remat {p.remat}") if p.remat != "none" else c
+
+    others = [label(p, c) for p in plans for c in p.shortlist if c is not best.shortlist[0]]
+    # verdicts are re-said against the new winner; unsolved ones keep theirs
+    others = [replace(c, verdict="") if c.step_time_s is not None else c for c in others]
+    limit = float(options.memory_limit_bytes or cluster.device.hbm_bytes)
+    return replace(best, shortlist=rank(label(best, best.shortlist[0]), others, limit))
 
 
 def _may_pipeline(graph: Graph, options: SearchOptions) -> bool:

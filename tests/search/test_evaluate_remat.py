@@ -95,3 +95,27 @@ def test_selective_remat_with_the_mesh_open_is_an_intra_op_plan():
     assert plan.pipeline is None or plan.pipeline.num_stages == 1
     ev = autopar.evaluate(step, plan, CLUSTER, *args)
     assert ev.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
+def test_remat_is_the_lever_searched_when_nothing_fits_without_it():
+    # Data parallel only, under a bound the unrematerialised step does not fit in: the
+    # search rematerialises the layers rather than give up, and says what it tried when
+    # even that does not fit.
+    from autopar.errors import InfeasiblePlanError
+
+    step, args = make_train_step(GPTConfig.preset("tiny", scan_layers=False), 64)
+    bound = 1.5e6
+    opts = SearchOptions(axes=("data",), memory_limit_bytes=bound)
+    with pytest.raises(InfeasiblePlanError):
+        autopar.plan(step, *args, cluster=CLUSTER, options=dataclasses.replace(opts, remat="none"))
+    plan = autopar.plan(step, *args, cluster=CLUSTER, options=opts)
+    assert plan.remat in ("selective", "full")
+    assert plan.predicted.memory_bytes_per_device <= bound
+    assert f"remat {plan.remat}" in plan.shortlist[0].label
+    ev = autopar.evaluate(step, plan, CLUSTER, *args)
+    assert ev.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    with pytest.raises(InfeasiblePlanError, match="Each layer rematerialised: smallest") as e:
+        autopar.plan(
+            step, *args, cluster=CLUSTER, options=dataclasses.replace(opts, memory_limit_bytes=4e5)
+        )
+    assert e.value.smallest_bytes > 4e5
