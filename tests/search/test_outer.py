@@ -290,12 +290,13 @@ def test_an_unrolled_step_that_does_not_fit_is_searched_over_the_cluster_once(mo
     import autopar.search.planner as planner
 
     step, args = _unrolled()
-    whole = []  # the whole cluster's searches (no mesh fixed)
+    whole = []  # the whole cluster's searches (no mesh fixed), without a remat lever
+    remat = []  # ... and with each layer rematerialised (the intra-op search's lever)
 
     def counting(real):
         def plan_graph(graph, cluster, options=None, **kw):
             if options is None or options.mesh is None:
-                whole.append(options)
+                (remat if options is not None and options.remat else whole).append(options)
             return real(graph, cluster, options, **kw)
 
         return plan_graph
@@ -305,8 +306,9 @@ def test_an_unrolled_step_that_does_not_fit_is_searched_over_the_cluster_once(mo
     with pytest.raises(InfeasiblePlanError) as e:  # nothing fits 1000 bytes
         autopar.plan(step, *args, cluster=TWO_NODES, options=SearchOptions(memory_limit_bytes=1000))
     # The levers were searched after the whole cluster's search failed, which ran once,
-    # and its smallest footprint is kept.
+    # and its smallest footprint is kept; layer remat was searched once per policy.
     assert len(whole) == 1
+    assert sorted(o.remat for o in remat) == ["full", "selective"]
     assert e.value.bound_bytes == 1000 and e.value.smallest_bytes > 1000
 
 
