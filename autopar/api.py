@@ -145,12 +145,12 @@ def _plan_graph(
         except InfeasiblePlanError as e:  # searched once: the outer loop does not again
             remats, tried = _remat_plans(graph, cluster, options)
             try:
-                outer = plan_outer(fn, args, graph, cluster, options, plain_error=e)
+                outer = [plan_outer(fn, args, graph, cluster, options, plain_error=e)]
             except InfeasiblePlanError as e2:
                 if not remats:
                     raise e2.restated(f"{e2}{tried}") from e2
-                outer = None
-            return _fastest(([outer] if outer is not None else []) + remats, options, cluster)
+                outer = []
+            return _fastest(outer + remats, options, cluster) if remats else outer[0]
     try:
         return _plan_accumulated(fn, args, graph, cluster, options, m)
     except InfeasiblePlanError as e:
@@ -178,6 +178,11 @@ def _remat_plans(graph: Graph, cluster: Any, options: SearchOptions) -> tuple[li
     from autopar.search.outer import plain_options
 
     if options.remat is not None or any(layer.kind == "scan" for layer in graph.layers):
+        return [], ""
+    # Remat frees activations only: when the state split over every device is over the
+    # bound already, no policy can fit (and each search costs a whole-cluster search).
+    state = sum(gi.tensor.nbytes for gi in graph.inputs if gi.role in ("param", "opt_state"))
+    if state / cluster.num_devices > float(options.memory_limit_bytes or cluster.device.hbm_bytes):
         return [], ""
     plans, notes = [], []
     for remat in _LAYER_REMATS:

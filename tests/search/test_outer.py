@@ -306,9 +306,10 @@ def test_an_unrolled_step_that_does_not_fit_is_searched_over_the_cluster_once(mo
     with pytest.raises(InfeasiblePlanError) as e:  # nothing fits 1000 bytes
         autopar.plan(step, *args, cluster=TWO_NODES, options=SearchOptions(memory_limit_bytes=1000))
     # The levers were searched after the whole cluster's search failed, which ran once,
-    # and its smallest footprint is kept; layer remat was searched once per policy.
+    # and its smallest footprint is kept. Layer remat was not searched: the state split
+    # over all 16 devices is over 1000 bytes already, and remat frees activations only.
     assert len(whole) == 1
-    assert sorted(o.remat for o in remat) == ["full", "selective"]
+    assert remat == []
     assert e.value.bound_bytes == 1000 and e.value.smallest_bytes > 1000
 
 
